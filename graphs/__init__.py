@@ -1,0 +1,1 @@
+"""Compiled-graph runtime: piecewise torch.compile, CUDA graph capture and the artifact cache."""

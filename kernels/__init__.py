@@ -1,0 +1,1 @@
+"""Triton kernels; each public op has a torch reference `<op>_ref` with the same signature."""

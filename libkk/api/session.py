@@ -1,0 +1,270 @@
+"""Session: the synchronous public API over one engine.
+
+Thread model: any thread may submit, generate, stream or step. One lock serializes engine steps;
+a caller waiting for its requests drives the engine itself, one step at a time, so several threads
+waiting together share the batches. Every output goes to its request's queue, and each caller takes
+only its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from libkk.config import EngineConfig
+from libkk.engine.engine import Engine
+from libkk.engine.outputs import RequestOutput
+from libkk.errors import InvalidRequestError, SessionClosedError, UnknownRequestError
+from libkk.sample.params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class Session:
+    """Loads a model and serves generation requests in the caller's process.
+
+    `Session(model=None, **settings)`: `model` is an HF-layout folder or a .gguf file (None: the
+    default model); settings are the fields of `EngineConfig` and its sections, flat
+    (`max_num_seqs=8`) or nested (`scheduler={...}`), applied on top of `config` if given.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, **settings: Any
+    ) -> None:
+        base = config or EngineConfig()
+        self.config = base.updated(**settings) if model is None else base.updated(
+            model=model, **settings
+        )
+        self._engine: Engine | None = Engine(self.config)
+        self._lock = threading.RLock()
+        self._queues: dict[str, deque[RequestOutput]] = {}
+        # Requests whose outputs the caller collects through step() (submitted with submit()).
+        self._stepped: set[str] = set()
+        self._ids = itertools.count()
+
+    # ---- properties -----------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise SessionClosedError("the session is closed")
+        return self._engine
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - libkk.models.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- caller-driven loop ---------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues one request and returns its id; collect its outputs with `step()`."""
+        rid = self._add(prompt, params, request_id)
+        with self._lock:
+            self._stepped.add(rid)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step (if there is work) and returns the new outputs of requests
+        submitted with `submit()`, including finished ones."""
+        with self._lock:
+            self._step_locked()
+            outputs = []
+            for rid in list(self._stepped):
+                outputs.extend(self._drain(rid))
+            return outputs
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request; its final output (finish_reason "abort") goes to whoever waits."""
+        with self._lock:
+            if request_id not in self._queues:
+                raise UnknownRequestError(
+                    f"unknown request id {request_id!r} (finished or never submitted)"
+                )
+            try:
+                output = self.engine.abort_request(request_id)
+            except UnknownRequestError:
+                return  # already finished; its final output is queued
+            self._queues[request_id].append(output)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.engine.has_unfinished_requests
+
+    # ---- blocking calls -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Generates for one prompt (returns one output) or many (returns a list, in order).
+
+        A prompt is a string or a list of token ids."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0
+            and all(isinstance(t, int) for t in prompts)
+        )
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if not batch:
+            raise InvalidRequestError("prompts is empty: expected one prompt or a non-empty list")
+        if params is None or isinstance(params, SamplingParams):
+            per_request = [params] * len(batch)
+        else:
+            per_request = list(params)
+            if len(per_request) != len(batch):
+                raise InvalidRequestError(
+                    f"got {len(per_request)} SamplingParams for {len(batch)} prompts: "
+                    "expected one, or one per prompt"
+                )
+        rids: list[str] = []
+        try:
+            for prompt, p in zip(batch, per_request, strict=True):
+                rids.append(self._add(prompt, p, None))
+        except BaseException:
+            for rid in rids:
+                self._abort_quietly(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while len(finals) < len(rids):
+                with self._lock:
+                    for rid in rids:
+                        if rid not in finals:
+                            for output in self._drain(rid):
+                                if output.finished:
+                                    finals[rid] = output
+                    if len(finals) < len(rids):
+                        self._step_locked()
+        except BaseException:
+            for rid in rids:
+                if rid not in finals:
+                    self._abort_quietly(rid)
+            raise
+        results = [finals[rid] for rid in rids]
+        return results[0] if single else results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields one output per step that produced text or tokens; `delta_text` is the new
+        text (never a split UTF-8 character, never part of a stop string). Closing the iterator
+        early aborts the request."""
+        rid = self._add(prompt, params, None)
+        finished = False
+        try:
+            while not finished:
+                with self._lock:
+                    outputs = self._drain(rid)
+                    if not outputs:
+                        self._step_locked()
+                        continue
+                for output in outputs:
+                    finished = output.finished
+                    yield output
+        finally:
+            if not finished:
+                self._abort_quietly(rid)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        **template_kwargs: Any,
+    ) -> RequestOutput:
+        """Renders the model's chat template (with the generation prompt) and generates."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                   **template_kwargs)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        output = self.generate(token_ids, params)
+        assert isinstance(output, RequestOutput)
+        return output
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Aborts what is still running and releases the model and KV cache memory."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+            if engine is None:
+                return
+            for rid in list(engine.scheduler.requests):
+                engine.abort_request(rid)
+            self._queues.clear()
+            self._stepped.clear()
+            device = engine.device
+            del engine
+            import gc
+
+            gc.collect()
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> str:
+        arrival = time.monotonic()  # before tokenization: queueing includes it
+        engine = self.engine
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        rid = request_id or f"req-{next(self._ids)}"
+        request = engine.make_request(rid, prompt, params or SamplingParams(), arrival)
+        with self._lock:
+            if rid in self._queues:
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+            self.engine.add_request(request)
+            self._queues[rid] = deque()
+        return rid
+
+    def _step_locked(self) -> None:
+        for output in self.engine.step():
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.append(output)
+
+    def _drain(self, rid: str) -> list[RequestOutput]:
+        """Takes the queued outputs of a request; forgets the request once it finished."""
+        queue = self._queues.get(rid)
+        if queue is None:
+            self.engine  # raises SessionClosedError once closed
+            raise UnknownRequestError(f"request {rid!r} is no longer known to the session")
+        if not queue:
+            return []
+        outputs = list(queue)
+        queue.clear()
+        if outputs[-1].finished:
+            del self._queues[rid]
+            self._stepped.discard(rid)
+        return outputs
+
+    def _abort_quietly(self, rid: str) -> None:
+        with self._lock:
+            if self._engine is not None and rid in self._engine.scheduler.requests:
+                self._engine.abort_request(rid)
+            self._queues.pop(rid, None)
+            self._stepped.discard(rid)

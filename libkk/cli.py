@@ -1,0 +1,160 @@
+"""The `libkk` command: generate, chat, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from libkk.config import EngineConfig
+from libkk.errors import LibkkError
+from libkk.sample.params import SamplingParams
+
+
+def _parse_setting(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {item!r}")
+    key, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string such as dtype=bfloat16
+    return key.strip(), value
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-layout folder or .gguf file (default model)")
+    p.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
+    p.add_argument("--set", dest="settings", action="append", default=[], type=_parse_setting,
+                   metavar="KEY=VALUE", help="one engine setting, e.g. --set max_num_seqs=8")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig.from_file(args.config) if args.config else EngineConfig()
+    if args.model is not None:
+        config = config.updated(model=args.model)
+    return config.updated(**dict(args.settings))
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from libkk.api.session import Session
+
+    with Session(config=_engine_config(args)) as session:
+        for output in session.stream(args.prompt, _sampling(args)):
+            sys.stdout.write(output.delta_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        t = output.timeline
+        if args.verbose and t is not None:
+            print(f"[{len(output.token_ids)} tokens, finish={output.finish_reason}, "
+                  f"ttft={t.time_to_first_token * 1e3:.0f} ms, "
+                  f"decode {(len(output.token_ids) - 1) / max(t.decode_time or 0, 1e-9):.1f} tok/s]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from libkk.api.session import Session
+
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    with Session(config=_engine_config(args)) as session:
+        print("libkk chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = session.chat(messages, _sampling(args))
+            print(reply.text)
+            messages.append({"role": "assistant", "content": reply.text})
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from libkk.api.session import Session
+
+    with Session(config=_engine_config(args)) as session:
+        engine = session.engine
+        arch = engine.arch
+        info = {
+            "model": str(engine.model_dir),
+            "architecture": type(engine.model).__name__,
+            "parameters": sum(p.numel() for p in engine.model.parameters()),
+            "layers": arch.num_layers,
+            "hidden_size": arch.hidden_size,
+            "kv_heads": arch.num_kv_heads,
+            "head_dim": arch.head_dim,
+            "vocab_size": arch.vocab_size,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "max_model_len": engine.max_model_len,
+            "memory": {
+                "weights_mib": round(engine.weights_bytes / 2**20, 1),
+                "kv_cache_mib": round(engine.kv_cache_bytes / 2**20, 1),
+                "kv_blocks": engine.num_blocks,
+                "kv_tokens": engine.num_blocks * engine.config.cache.block_size,
+            },
+            "settings": engine.config.to_dict(),
+        }
+        print(json.dumps(info, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="continue a prompt and print the text as it comes")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive conversation with the chat template")
+    chat.add_argument("--system", default=None, help="a system message")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    info = sub.add_parser("info", help="the model, its memory and the settings, as JSON")
+    _add_engine_args(info)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except LibkkError as e:
+        print(f"libkk: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

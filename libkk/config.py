@@ -1,0 +1,149 @@
+"""Every engine setting, as frozen msgspec Structs validated through one entry point.
+
+`EngineConfig.from_settings(model, **settings)` takes flat keywords (`max_num_seqs=8`) or whole
+sections (`scheduler={"max_num_seqs": 8}`); `EngineConfig.from_file` reads JSON or TOML. Errors
+carry the path of the bad field (`$.scheduler.max_num_seqs`). `config_hash()` is stable across
+processes and keys on-disk caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from os import PathLike
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from libkk.errors import ConfigError
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+class ModelConfig(msgspec.Struct, **_STRUCT):
+    # Path of an HF-layout folder or a .gguf file; None means the default model.
+    model: str | None = None
+    # "auto": float32 on CPU (exact parity with transformers), bfloat16 on CUDA.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # None: the checkpoint's max_position_embeddings.
+    max_model_len: PositiveInt | None = None
+
+
+class CacheConfig(msgspec.Struct, **_STRUCT):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    # Exact number of KV blocks (the null block included); overrides the memory budget.
+    num_gpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    # Share of device memory (of available RAM on CPU) that weights + KV cache may use.
+    gpu_memory_utilization: Fraction = 0.9
+    # A fixed KV budget in bytes; overrides gpu_memory_utilization.
+    kv_cache_memory_bytes: PositiveInt | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto"] = "auto"
+
+
+class SchedulerConfig(msgspec.Struct, **_STRUCT):
+    max_num_seqs: PositiveInt = 256
+    # Tokens the model may process in one step.
+    max_num_batched_tokens: PositiveInt = 2048
+    # Tokens the scheduler may issue in a mixed step; None means max_num_batched_tokens.
+    max_num_scheduled_tokens: PositiveInt | None = None
+    enable_chunked_prefill: bool = True
+    # A step with no runnable decode may use max_num_batched_tokens as its cap.
+    uncap_prefill_only_steps: bool = False
+    # Share of step time prefill gets while prefill and decode contend (0 < s < 1 or "auto");
+    # None: every step takes decodes first, then fills the budget with prefill chunks.
+    prefill_compute_share: float | Literal["auto"] | None = None
+
+    def __post_init__(self) -> None:
+        s = self.prefill_compute_share
+        if isinstance(s, float) and not 0.0 < s < 1.0:
+            raise ValueError(f"prefill_compute_share must be in (0, 1) or 'auto', got {s}")
+        if (
+            self.max_num_scheduled_tokens is not None
+            and self.max_num_scheduled_tokens > self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def scheduled_token_cap(self) -> int:
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+
+class EngineConfig(msgspec.Struct, **_STRUCT):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # A request with no progress for this long is logged with its timeline.
+    stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
+    # Show progress bars for loading and conversion (stderr).
+    progress: bool = True
+
+    @classmethod
+    def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:
+        """Builds a config from flat keywords and/or whole sections; validates everything."""
+        return cls().updated(model=model, **settings)
+
+    def updated(self, **settings: Any) -> EngineConfig:
+        """A copy with settings applied on top: flat keywords (`max_num_seqs=8`), whole
+        sections (`scheduler={...}`), and `model` as a path (a str) or as a section (a dict)."""
+        tree = self.to_dict()
+        for key, value in settings.items():
+            if key == "model" and (value is None or isinstance(value, (str, PathLike))):
+                tree["model"]["model"] = None if value is None else str(value)
+            elif key in _SECTIONS:
+                if isinstance(value, msgspec.Struct):
+                    value = msgspec.structs.asdict(value)
+                if not isinstance(value, dict):
+                    raise ConfigError(f"setting {key!r} must be a mapping, got {type(value).__name__}")
+                tree[key].update(value)
+            elif key in _FIELD_TO_SECTION:
+                tree[_FIELD_TO_SECTION[key]][key] = value
+            elif key in _TOP_FIELDS:
+                tree[key] = value
+            else:
+                known = sorted({*_FIELD_TO_SECTION, *_TOP_FIELDS, *_SECTIONS})
+                raise ConfigError(f"unknown setting {key!r}; known settings: {', '.join(known)}")
+        return self.from_dict(tree)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"invalid engine setting: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> EngineConfig:
+        """Reads a JSON or TOML file holding the same tree as `from_dict`."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {e}") from None
+        try:
+            data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+        except (tomllib.TOMLDecodeError, msgspec.DecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_FIELD_TO_SECTION = {f: name for name, t in _SECTIONS.items() for f in t.__struct_fields__}
+_TOP_FIELDS = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
+assert not set(_FIELD_TO_SECTION) & _TOP_FIELDS, "flat setting names must be unique"

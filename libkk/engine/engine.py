@@ -1,0 +1,297 @@
+"""The step loop: load the model, admit requests, schedule, run, sample, detokenize, report.
+
+Not thread-safe by itself: the Session serializes calls into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_cache_bytes_per_block
+from libkk.cache.kv_cache_manager import KVCacheManager
+from libkk.config import EngineConfig
+from libkk.engine.detokenizer import IncrementalDetokenizer
+from libkk.engine.outputs import Logprob, RequestOutput
+from libkk.engine.request import Request, RequestStatus
+from libkk.engine.scheduler import Scheduler
+from libkk.errors import (
+    ConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownRequestError,
+)
+from libkk.models.default import resolve_model_path
+from libkk.models.loader import load_model
+from libkk.models.tokenizer import Tokenizer
+from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.model_runner import ModelRunner
+from libkk.sample.params import SamplingParams
+
+logger = logging.getLogger("libkk")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.model, self.arch = load_model(
+            self.model_dir, self.dtype, self.device, progress=config.progress
+        )
+        self.max_model_len = self._resolve_max_model_len()
+        cache_cfg = config.cache
+        block_size = cache_cfg.block_size
+        bytes_per_block = kv_cache_bytes_per_block(
+            self.arch.num_layers, block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype
+        )
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        self.num_blocks = determine_num_blocks(
+            cache_cfg,
+            bytes_per_block,
+            self.device,
+            weights_bytes=self.weights_bytes,
+            max_blocks_useful=config.scheduler.max_num_seqs * blocks_per_seq + 1,
+        )
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        kv_caches = allocate_kv_caches(
+            self.arch.num_layers,
+            self.num_blocks,
+            block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, block_size, enable_caching=cache_cfg.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
+        self._stall_logged: set[str] = set()
+        self.num_steps = 0
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ConfigError(
+                f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})"
+            )
+        length = asked or limit
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < length:
+            raise ConfigError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= max_model_len "
+                f"({length}) when enable_chunked_prefill is False"
+            )
+        return length
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> Request:
+        """Tokenizes and validates a request; touches no engine state (safe off the lock)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: expected a non-empty string")
+            prompt_text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text = None
+            token_ids = self._check_token_ids(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt has no tokens: expected at least one")
+        limit = self.max_model_len
+        needed = len(token_ids) + max(1, params.min_tokens)
+        if needed > limit:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens and min_tokens={params.min_tokens}: "
+                f"expected prompt tokens + max(1, min_tokens) <= max_model_len ({limit})"
+            )
+        room = limit - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return Request(
+            request_id,
+            token_ids,
+            params,
+            seed=seed,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time,
+            prompt=prompt_text,
+        )
+
+    def _check_token_ids(self, prompt: Sequence[int]) -> list[int]:
+        vocab = self.arch.vocab_size
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                "prompt must be a string or a sequence of token ids (ints)"
+            ) from None
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad or any(isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {vocab}"
+            )
+        return ids
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params
+        )
+        self._emitted[request.request_id] = ("", 0)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            raise UnknownRequestError(f"unknown request id {request_id!r} (finished or never added)")
+        return self._make_output(request)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns an output for every request that advanced."""
+        self._log_stalls()
+        sched_out = self.scheduler.schedule()
+        if sched_out.empty:
+            return []
+        self.num_steps += 1
+        start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
+            logger.warning("step failed (%s: %s); retrying its requests one by one",
+                           type(e).__name__, e)
+            runner_out = self._execute_isolated(sched_out, outputs)
+        elapsed = time.perf_counter() - start
+        for request in self.scheduler.update(sched_out, runner_out, elapsed):
+            outputs.append(self._process_tokens(request))
+        return outputs
+
+    def _execute_isolated(
+        self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
+    ) -> ModelRunnerOutput:
+        merged = ModelRunnerOutput()
+        for scheduled in sched_out.requests:
+            single = SchedulerOutput(requests=[scheduled], kind=sched_out.kind)
+            try:
+                result = self.runner.execute(single)
+            except Exception as e:  # noqa: BLE001
+                logger.error("request %s failed: %s: %s", scheduled.request_id,
+                             type(e).__name__, e)
+                request = self.scheduler.finish_request(
+                    scheduled.request_id, RequestStatus.FINISHED_ERROR
+                )
+                if request is not None:
+                    request.error = f"{type(e).__name__}: {e}"
+                    outputs.append(self._make_output(request))
+                continue
+            merged.sampled_token_ids.update(result.sampled_token_ids)
+            merged.logprobs.update(result.logprobs)
+        return merged
+
+    def _process_tokens(self, request: Request) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        _, num_emitted = self._emitted[request.request_id]
+        stop = detok.update(request.output_token_ids[num_emitted:])
+        if stop is not None and not request.finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop
+        elif stop is not None:
+            # A stop token and a stop string in the same step: the string is the reason.
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop
+        return self._make_output(request)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        detok = self._detokenizers[rid]
+        text, num_emitted = self._emitted[rid]
+        delta_text = detok.take_delta()
+        if request.finished:
+            delta_text += detok.flush()
+            del self._detokenizers[rid], self._emitted[rid]
+            self._stall_logged.discard(rid)
+        else:
+            self._emitted[rid] = (text + delta_text, request.num_output_tokens)
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = [
+                Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=lp.top)
+                for lp in request.output_logprobs
+            ]
+        return RequestOutput(
+            request_id=rid,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text + delta_text,
+            token_ids=list(request.output_token_ids),
+            delta_text=delta_text,
+            delta_token_ids=request.output_token_ids[num_emitted:],
+            finished=request.finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            error=request.error,
+            timeline=request.timeline,
+        )
+
+    def _log_stalls(self) -> None:
+        now = time.monotonic()
+        threshold = self.config.stall_threshold_s
+        for rid, request in self.scheduler.requests.items():
+            last = request.timeline.last_progress or request.timeline.arrival
+            if now - last > threshold and rid not in self._stall_logged:
+                self._stall_logged.add(rid)
+                logger.warning(
+                    "request %s made no progress for %.1fs (status %s): %s",
+                    rid, now - last, request.status.name, request.timeline.summary(now),
+                )

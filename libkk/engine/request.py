@@ -1,0 +1,133 @@
+"""One request's state: the tokens it owes and how many of them the KV cache already holds.
+
+The single scheduling model: a request owes `num_tokens` (prompt + generated) and has
+`num_computed_tokens` of them in the KV cache. Prefill, chunked prefill, prefix hits, decode and
+recompute after preemption are all just different gaps between the two.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from libkk.engine.timeline import Timeline
+from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import TokenLogprobs
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        arrival_time: float,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        # Already capped so that prompt + output never exceeds max_model_len.
+        self.max_tokens = max_tokens
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit of the first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.timeline = Timeline(arrival=arrival_time)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_owed_tokens(self) -> int:
+        """Tokens that must still go through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_owed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def banned_token_ids(self) -> frozenset[int]:
+        """Tokens that may not be sampled yet: the stop tokens while under min_tokens."""
+        if self.num_output_tokens < self.params.min_tokens:
+            return self.eos_token_ids | self.stop_token_ids
+        return frozenset()
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop_token(self) -> bool:
+        """Finishes the request if its last token is a stop token or it reached its length."""
+        token = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if token in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,242 @@
+"""Continuous batching under one token budget per step.
+
+Each step gives each scheduled request a number of tokens: running requests first (in admission
+order), then waiting ones. A request that cannot get KV blocks preempts the newest running request
+(recompute: its blocks are freed, it goes back to the front of the queue and later recomputes its
+prompt and output). Chunked prefill, prefix hits and resumption after preemption are only different
+counts in the same model.
+
+With `prefill_compute_share = s`, the two classes of work (prefill: requests that owe more than one
+token; decode: requests that owe exactly one) are weighted-fair-queued by measured step time while
+both have work: a step runs one class only, the one with the smaller virtual runtime, and its time
+is charged as elapsed / s (prefill) or elapsed / (1 - s) (decode). Without contention each class
+runs freely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from libkk.cache.kv_cache_manager import KVCacheManager
+from libkk.config import SchedulerConfig
+from libkk.engine.request import Request, RequestStatus
+from libkk.runtime.io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from libkk.sample.sampler import SamplingRow
+
+PREFILL, DECODE = "prefill", "decode"
+# "auto" share: bounds and the most it moves per step.
+AUTO_SHARE_MIN, AUTO_SHARE_MAX, AUTO_SHARE_RATE = 0.2, 0.8, 0.02
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        share = config.prefill_compute_share
+        self.share: float | None = 0.5 if share == "auto" else share
+        self.vruntime = {PREFILL: 0.0, DECODE: 0.0}
+        self.num_preemptions = 0
+
+    # ---- queue ----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (abort, stop string, error) and frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.finished:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        request.timeline.finished = time.monotonic()
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        now = time.monotonic()
+        has_decode = any(r.is_decode for r in self.running)
+        has_prefill = bool(self.waiting) or any(not r.is_decode for r in self.running)
+        step_class = self._pick_class(has_prefill, has_decode)
+        budget = cfg.scheduled_token_cap
+        if cfg.uncap_prefill_only_steps and (not has_decode or step_class == PREFILL):
+            budget = cfg.max_num_batched_tokens
+
+        out = SchedulerOutput(kind=step_class or ("mixed" if has_decode and has_prefill else
+                                                  DECODE if has_decode else PREFILL))
+        scheduled: dict[str, int] = {}
+
+        # Running requests first, oldest first; the newest are preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if step_class is not None and (DECODE if request.is_decode else PREFILL) != step_class:
+                i += 1
+                continue
+            num_new = min(request.num_owed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing newer is left to run
+
+        # Then waiting requests, in arrival order (preempted ones were put back in front).
+        if step_class != DECODE:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting[0]
+                hit_blocks, num_hit_tokens = [], 0
+                if request.num_computed_tokens == 0:
+                    hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                    break
+                self.waiting.popleft()
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit_tokens
+                request.num_computed_tokens = num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                if request.timeline.first_scheduled is None:
+                    request.timeline.first_scheduled = now
+                self.running.append(request)
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+
+        for request in self.running:
+            num_new = scheduled.get(request.request_id)
+            if num_new is not None:
+                out.requests.append(self._scheduled_request(request, num_new))
+                request.timeline.last_progress = now
+        return out
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sampling = None
+        if start + num_new == request.num_tokens:
+            sampling = SamplingRow(
+                params=request.params,
+                seed=request.seed,
+                position=request.num_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                banned_token_ids=tuple(request.banned_token_ids()),
+            )
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache.get_block_ids(request.request_id),
+            sampling=sampling,
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    def update(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, elapsed: float
+    ) -> list[Request]:
+        """Advances computed counts, appends sampled tokens, finishes requests on stop tokens or
+        length. Returns the requests that received tokens (finished ones included)."""
+        self._charge(sched_out, elapsed)
+        now = time.monotonic()
+        updated: list[Request] = []
+        for scheduled in sched_out.requests:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            new_tokens = runner_out.sampled_token_ids.get(request.request_id)
+            if not new_tokens:
+                continue
+            logprobs = runner_out.logprobs.get(request.request_id) or [None] * len(new_tokens)
+            for token, lp in zip(new_tokens, logprobs, strict=True):
+                request.append_token(token, lp)
+                if request.check_stop_token():
+                    break
+            timeline = request.timeline
+            if timeline.first_token is None:
+                timeline.first_token = now
+            timeline.last_token = now
+            timeline.num_output_tokens = request.num_output_tokens
+            updated.append(request)
+            if request.finished:
+                self.running.remove(request)
+                del self.requests[request.request_id]
+                self.kv_cache.free(request)
+                timeline.finished = now
+        return updated
+
+    # ---- prefill / decode share -----------------------------------------------------------
+
+    def _pick_class(self, has_prefill: bool, has_decode: bool) -> str | None:
+        """The one class this step may run, or None when both may run (no share, or no
+        contention)."""
+        if self.share is None:
+            return None
+        if not (has_prefill and has_decode):
+            # No contention: the idle class must not bank credit for a later burst.
+            top = max(self.vruntime.values())
+            self.vruntime = {PREFILL: top, DECODE: top}
+            return None
+        if self.config.prefill_compute_share == "auto":
+            self._adapt_share()
+        return PREFILL if self.vruntime[PREFILL] < self.vruntime[DECODE] else DECODE
+
+    def _adapt_share(self) -> None:
+        """Moves the share toward the class under more pressure: prefill pressure is queued
+        prefill work in steps' worth of tokens, decode pressure the share of sequence slots
+        decoding."""
+        prefill_tokens = sum(r.num_owed_tokens for r in self._prefill_requests())
+        prefill_pressure = prefill_tokens / self.config.scheduled_token_cap
+        decode_pressure = sum(r.is_decode for r in self.running) / self.config.max_num_seqs
+        total = prefill_pressure + decode_pressure
+        target = AUTO_SHARE_MIN + (AUTO_SHARE_MAX - AUTO_SHARE_MIN) * prefill_pressure / total
+        assert self.share is not None
+        step = max(-AUTO_SHARE_RATE, min(AUTO_SHARE_RATE, target - self.share))
+        self.share = min(AUTO_SHARE_MAX, max(AUTO_SHARE_MIN, self.share + step))
+
+    def _prefill_requests(self) -> Iterable[Request]:
+        yield from self.waiting
+        yield from (r for r in self.running if not r.is_decode)
+
+    def _charge(self, sched_out: SchedulerOutput, elapsed: float) -> None:
+        if self.share is None or sched_out.empty:
+            return
+        if sched_out.kind == PREFILL:
+            self.vruntime[PREFILL] += elapsed / self.share
+        elif sched_out.kind == DECODE:
+            self.vruntime[DECODE] += elapsed / (1.0 - self.share)

@@ -1,0 +1,127 @@
+"""Paged attention: the layer models call, and the backends that run it.
+
+The layer writes the step's new K/V into its paged cache by slot mapping, then attends each
+request's queries over its whole context (cached + new, causal within the new tokens, GQA). The
+backend is chosen once per process; the torch reference runs anywhere and is the CPU path.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libkk.layers.forward_context import AttentionMetadata, get_forward_context
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for one layer and one step.
+
+    Invariants: `forward` first stores k/v at `metadata.slot_mapping` (rows mapped to the null
+    block's slots are padding and may be written there, never elsewhere), then returns the output
+    for every query row; rows of different requests never see each other.
+    """
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes new keys/values into the paged cache at flat slot indices."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention in plain torch: one SDPA call per request."""
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        block_size = metadata.block_size
+        num_heads, num_kv_heads = q.shape[1], k.shape[1]
+        out = torch.empty_like(q)
+        starts = metadata.query_start_loc_cpu
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            q_start, q_end = starts[i], starts[i + 1]
+            query_len = q_end - q_start
+            if query_len == 0:
+                continue
+            num_blocks = -(-seq_len // block_size)
+            blocks = metadata.block_table[i, :num_blocks].long()
+            # [seq_len, num_kv_heads, head_dim]
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            qi = q[q_start:q_end].transpose(0, 1)  # [num_heads, query_len, head_dim]
+            ki = keys.transpose(0, 1).to(q.dtype)
+            vi = values.transpose(0, 1).to(q.dtype)
+            if num_kv_heads != num_heads:
+                ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0)
+                vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0)
+            if query_len == 1:
+                mask = None  # a single query sees the whole context
+            else:
+                # Query row r sits at position seq_len - query_len + r and sees keys up to it.
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+            out[q_start:q_end] = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale
+            ).transpose(0, 1)
+        return out
+
+
+_BACKEND: AttentionBackend = TorchAttentionBackend()
+
+
+def set_attention_backend(backend: AttentionBackend) -> None:
+    global _BACKEND
+    _BACKEND = backend
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache of one layer.
+
+    `kv_cache` is bound by the model runner after the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        if self.kv_cache is None:
+            raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
+        metadata = get_forward_context().attn_metadata
+        n = q.shape[0]
+        out = _BACKEND.forward(
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            metadata,
+            self.scale,
+        )
+        return out.reshape(n, self.num_heads * self.head_dim)

@@ -1,0 +1,63 @@
+"""The forward context: per-step attention metadata, set around `model.forward(input_ids, positions)`.
+
+A module-global keeps the model signature clean and lets graph capture bind static buffers: the
+attention layers read the metadata of the step being run from here, not from their arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens sit in the batch and in the paged KV cache.
+
+    The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are
+    its tokens at positions seq_lens[i] - query_len .. seq_lens[i] - 1. Earlier positions are read
+    from the KV cache through block_table[i].
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset for each token
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step (cached + new)
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, padded with the null block 0
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for the reference path, which loops over requests.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[ForwardContext]:
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata=attn_metadata)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("model.forward called outside set_forward_context(...)")
+    return _forward_context

@@ -1,0 +1,82 @@
+"""Flattens one step's scheduled requests into the tensors the model and attention read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from libkk.layers.forward_context import AttentionMetadata
+from libkk.runtime.io import SchedulerOutput
+from libkk.sample.sampler import SamplingRow
+
+
+@dataclass
+class InputBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] int64: the last row of each sampling request
+    sampling_rows: list[SamplingRow]
+    sampling_request_ids: list[str]
+
+
+def build_input_batch(
+    sched_out: SchedulerOutput, block_size: int, device: torch.device
+) -> InputBatch:
+    requests = sched_out.requests
+    num_reqs = len(requests)
+    query_lens = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
+    starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
+    query_start_loc = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = starts + query_lens
+    num_tokens = int(query_start_loc[-1])
+
+    input_ids = np.fromiter(
+        (t for r in requests for t in r.token_ids), np.int64, num_tokens
+    )
+    # Position of every token: its request's start plus its offset within the query.
+    row_req = np.repeat(np.arange(num_reqs), query_lens)
+    positions = np.arange(num_tokens) - query_start_loc[row_req] + starts[row_req]
+
+    max_blocks = max(-(-int(s) // block_size) for s in seq_lens)
+    block_table = np.zeros((num_reqs, max_blocks), np.int32)  # padded with the null block
+    for i, r in enumerate(requests):
+        n = min(len(r.block_ids), max_blocks)
+        block_table[i, :n] = r.block_ids[:n]
+    slot_mapping = (
+        block_table[row_req, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+
+    sampling_rows, sampling_ids, logits_indices = [], [], []
+    for i, r in enumerate(requests):
+        if r.sampling is not None:
+            sampling_rows.append(r.sampling)
+            sampling_ids.append(r.request_id)
+            logits_indices.append(int(query_start_loc[i + 1]) - 1)
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_dev(slot_mapping),
+        query_start_loc=to_dev(query_start_loc.astype(np.int32)),
+        seq_lens=to_dev(seq_lens.astype(np.int32)),
+        block_table=to_dev(block_table),
+        block_size=block_size,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=query_start_loc.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+    return InputBatch(
+        input_ids=to_dev(input_ids),
+        positions=to_dev(positions.astype(np.int64)),
+        attn_metadata=metadata,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        sampling_rows=sampling_rows,
+        sampling_request_ids=sampling_ids,
+    )

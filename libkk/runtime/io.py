@@ -1,0 +1,50 @@
+"""What the scheduler hands the model runner for one step, and what comes back.
+
+Plain data, so the same step can later be sent to tensor-parallel workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libkk.sample.sampler import SamplingRow, TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    # The tokens to run this step: all_token_ids[num_computed_tokens : num_computed_tokens + n].
+    token_ids: list[int]
+    num_computed_tokens: int
+    # The request's whole block table (shared with the KV cache manager, read only here).
+    block_ids: list[int]
+    # Set when this step completes everything the request owes: sample its next token.
+    sampling: SamplingRow | None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted this step (their blocks were freed).
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # "decode", "prefill" or "mixed": which classes of work the step holds.
+    kind: str = "mixed"
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Tokens sampled per request this step (one today; several once drafts are verified).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)

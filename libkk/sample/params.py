@@ -1,0 +1,106 @@
+"""SamplingParams: what a caller may ask of one request's decoding, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from libkk.errors import SamplingParamsError
+
+_MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Decoding settings of one request (vLLM conventions).
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters. A request with a
+    `seed` gives the same tokens alone, in any batch, chunked or not: the sampling noise is keyed by
+    (seed, position, token id).
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Number of top log-probabilities to return per generated token (None: none).
+    logprobs: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_type("max_tokens", self.max_tokens, int, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
+        _check_type("min_tokens", self.min_tokens, int)
+        if self.min_tokens < 0:
+            _bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            _check_type(name, getattr(self, name), float)
+            if not math.isfinite(getattr(self, name)):
+                _bad(name, getattr(self, name), "a finite number")
+        if self.temperature < 0:
+            _bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
+        _check_type("top_k", self.top_k, int)
+        if self.top_k < -1:
+            _bad("top_k", self.top_k, "an integer >= 0 (0 or -1 disables top-k)")
+        if not 0.0 < self.top_p <= 1.0:
+            _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            _bad("min_p", self.min_p, "a number in [0, 1]")
+        if self.repetition_penalty <= 0:
+            _bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                _bad(name, getattr(self, name), "a number in [-2, 2]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            _bad("stop", self.stop, "a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        _check_type("logprobs", self.logprobs, int, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            _bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
+        _check_type("seed", self.seed, int, optional=True)
+        if self.seed is not None and not -_MAX_SEED <= self.seed <= _MAX_SEED:
+            _bad("seed", self.seed, "a 64-bit signed integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise SamplingParamsError(f"invalid sampling parameters: {e}") from None
+
+
+def _bad(name: str, value: Any, expected: str) -> None:
+    raise SamplingParamsError(f"SamplingParams.{name}={value!r} is invalid: expected {expected}")
+
+
+def _check_type(name: str, value: Any, kind: type, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        _bad(name, value, f"{'an' if kind is int else 'a'} {kind.__name__}"
+             + (" or None" if optional else ""))
