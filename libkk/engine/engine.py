@@ -76,6 +76,7 @@ class Engine:
             self.device,
             weights_bytes=self.weights_bytes,
             max_blocks_useful=config.scheduler.max_num_seqs * blocks_per_seq + 1,
+            max_model_len=self.max_model_len,
         )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         kv_caches = allocate_kv_caches(
