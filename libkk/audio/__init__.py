@@ -7,6 +7,6 @@ same torch build and device.
 from __future__ import annotations
 
 from libkk.audio.mel import MelSpectrogram, melscale_fbanks, spectrogram
-from libkk.audio.resample import Resample, resample
+from libkk.audio.resampling import Resample, resample
 
 __all__ = ["MelSpectrogram", "Resample", "melscale_fbanks", "resample", "spectrogram"]
