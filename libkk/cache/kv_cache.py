@@ -11,6 +11,9 @@ from libkk.errors import ConfigError
 
 _MEMINFO = "/proc/meminfo"
 _MiB = 1 << 20
+# Without an explicit budget the CPU cache takes at most this much (as vLLM's CPU backend does):
+# RAM is shared with the rest of the host process.
+CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def kv_cache_bytes_per_block(
@@ -64,10 +67,10 @@ def determine_num_blocks(
         budget, source = _cuda_budget(cache_config.gpu_memory_utilization, device, weights_bytes)
     else:
         available = _cpu_available_bytes()
-        budget = int(cache_config.gpu_memory_utilization * available)
+        budget = min(int(cache_config.gpu_memory_utilization * available), CPU_DEFAULT_KV_BYTES)
         source = (
             f"gpu_memory_utilization={cache_config.gpu_memory_utilization} of "
-            f"{available / _MiB:.1f} MiB available RAM"
+            f"{available / _MiB:.1f} MiB available RAM, at most {CPU_DEFAULT_KV_BYTES >> 20} MiB"
         )
 
     num_fit = max(budget, 0) // bytes_per_block
@@ -122,8 +125,14 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor (K, V) per layer.
 
-    NOTE: zeros rather than empty: padded rows read and write the null block, and uninitialized
-    memory may hold NaN/Inf that masked attention would still multiply by zero (0 * NaN = NaN).
+    NOTE: on CUDA the caches are zeroed: kernels may load whole blocks and mask afterwards, and
+    uninitialized memory may hold NaN/Inf (0 * NaN = NaN). On CPU only the null block is zeroed,
+    so untouched blocks cost no resident memory; the CPU path reads only slots it has written.
     """
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if device.type == "cuda":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    for cache in caches:
+        cache[:, 0].zero_()
+    return caches

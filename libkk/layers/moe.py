@@ -1,0 +1,154 @@
+"""Mixture of experts: router top-k, stacked expert weights and the plain-torch fused-MoE path.
+
+Expert weights are stacked the way the Triton fused-MoE kernels read them:
+  w13 [num_experts, 2 * intermediate, hidden]  rows [gate (w1) | up (w3)] of each expert
+  w2  [num_experts, hidden, intermediate]      the down projection
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libkk.layers.linear import Linear, check_shape, default_weight_loader, new_param
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weights [num_tokens, top_k] fp32, ids [num_tokens, top_k] int64).
+
+    Softmax over all experts in fp32, then top-k of the probabilities, then (optionally) divide by
+    their sum. This is HF's exact op order for Qwen3-MoE (`norm_topk_prob`) and Mixtral (always
+    renormalized, which equals a softmax over the top-k logits up to rounding).
+    """
+    if scoring != "softmax":
+        raise ValueError(f"scoring {scoring!r} is not supported; supported: 'softmax'")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Reference fused MoE: for each expert that received tokens, gather, run its MLP, scatter-add.
+
+    NOTE: reads the per-expert token counts on the host, so it cannot be captured in a CUDA graph;
+    the Triton kernel replaces it there. Experts are visited in ascending id order, so each token's
+    contributions are summed in the same order as HF's loop (bit-identical in fp32).
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(hidden)
+    flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
+    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
+    token_of = order // top_k  # [num_tokens * top_k] token row of each sorted assignment
+    weight_of = topk_weights.reshape(-1)[order]  # [num_tokens * top_k] fp32
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]  # [count]
+        x = hidden.index_select(0, rows)  # [count, hidden]
+        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [count, hidden]
+        # NOTE: the routing weight multiplies in fp32 (as HF Mixtral does); cast back after.
+        y = y * weight_of[start : start + count, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer as two stacked weights (gated SiLU MLPs).
+
+    Loading: a per-expert checkpoint tensor uses shard id `(expert, 0)` (gate / w1, or the down
+    projection for w2) or `(expert, 1)` (up / w3); an already-stacked tensor (transformers 5
+    in-memory layout `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) loads whole.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        w13_shards = frozenset((e, j) for e in range(num_experts) for j in (0, 1))
+        w2_shards = frozenset((e, 0) for e in range(num_experts))
+        # [E, 2I, H] and [E, H, I]
+        self.w13_weight = new_param(
+            num_experts, 2 * intermediate_size, hidden_size, loader=self._load, shard_ids=w13_shards
+        )
+        self.w2_weight = new_param(
+            num_experts, hidden_size, intermediate_size, loader=self._load, shard_ids=w2_shards
+        )
+
+    def _load(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None
+    ) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded, name)
+            return
+        expert, part = shard_id  # type: ignore[misc]
+        if param is self.w13_weight:
+            # rows of gate (part 0) or up (part 1) within this expert's block
+            size = self.intermediate_size
+            target = param.data[expert].narrow(0, part * size, size)
+        else:
+            target = param.data[expert]
+        check_shape(name, target.shape, loaded.shape)
+        target.copy_(loaded)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return fused_moe_ref(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}"
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, a bias-free linear to expert logits) + top-k + experts.
+
+    Parameter names (`gate.weight`, `experts.w13_weight`, `experts.w2_weight`) follow the HF
+    module layout, so checkpoint names map onto them by suffix.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.experts(hidden, weights, ids)

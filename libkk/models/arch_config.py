@@ -1,0 +1,326 @@
+"""The architecture facts a model needs, parsed from a Hugging Face `config.json`.
+
+One parser per family fills one `ArchConfig`. Defaults mirror the transformers config classes, so a
+hub config that omits a field means what it means to transformers. Both spellings of RoPE settings
+are read: transformers 5 writes `rope_parameters` (with `rope_theta` inside); older checkpoints have
+a top-level `rope_theta` and a `rope_scaling` dict (whose type key may be `type`). Features the
+models do not implement raise UnsupportedModelError naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from libkk.errors import CorruptCheckpointError, UnsupportedModelError
+from libkk.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+from libkk.models.registry import unsupported_architecture
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str  # e.g. "Qwen3ForCausalLM"
+    model_type: str  # e.g. "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (MoE layers use moe_intermediate_size)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights
+    moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is a sparse MoE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None  # "bfloat16", ... as written in config.json
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed access to config.json fields with errors that name the file and field."""
+
+    def __init__(self, raw: Mapping[str, Any], source: str) -> None:
+        self.raw = raw
+        self.source = source
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key, default)
+        if value is _REQUIRED:
+            raise CorruptCheckpointError(f"{self.source}: required field {key!r} is missing")
+        return value
+
+    def _bad(self, key: str, value: Any, expected: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.source}: field {key!r} is {value!r}, expected {expected}"
+        )
+
+    def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._bad(key, value, f"an integer >= {minimum}")
+        return value
+
+    def float(self, key: str, default: Any = _REQUIRED) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._bad(key, value, "a number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def unsupported(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{self.source}: {what} is not supported")
+
+
+def parse_arch_config(raw: Mapping[str, Any], source: str = "config.json") -> ArchConfig:
+    """Parses a config.json mapping; `source` (the file path) prefixes every error message."""
+    architecture = _architecture(raw, source)
+    parser = _PARSERS.get(architecture)
+    if parser is None:
+        raise unsupported_architecture(architecture, source)
+    f = _Fields(raw, source)
+    if f.get("quantization_config") is not None:
+        method = (f.get("quantization_config") or {}).get("quant_method", "unknown")
+        raise f.unsupported(f"quantization_config (quant_method {method!r})")
+    act = f.get("hidden_act", "silu")
+    if act != "silu":
+        raise f.unsupported(f"hidden_act {act!r} (only 'silu')")
+    return parser(f, architecture)
+
+
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def _architecture(raw: Mapping[str, Any], source: str) -> str:
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    if archs is None and raw.get("model_type") in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[raw["model_type"]]
+    raise unsupported_architecture(archs, source)
+
+
+# --- shared pieces -------------------------------------------------------------------------
+
+
+def _base(
+    f: _Fields,
+    architecture: str,
+    *,
+    default_theta: float,
+    default_eps: float,
+    default_max_position: int,
+    default_head_dim: int | None = None,
+) -> dict[str, Any]:
+    """Fields every family has; `default_head_dim` None means hidden_size // num_heads."""
+    hidden = f.int("hidden_size")
+    num_heads = f.int("num_attention_heads")
+    num_kv_heads = f.get("num_key_value_heads") or num_heads
+    if not isinstance(num_kv_heads, int) or num_heads % num_kv_heads:
+        raise f._bad("num_key_value_heads", num_kv_heads, f"a divisor of {num_heads}")
+    head_dim = f.get("head_dim") or default_head_dim or hidden // num_heads
+    if not isinstance(head_dim, int) or head_dim % 2:
+        raise f._bad("head_dim", head_dim, "an even integer")
+    max_position = f.int("max_position_embeddings", default_max_position)
+    eos = f.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dict(
+        architecture=architecture,
+        model_type=str(f.get("model_type", "")),
+        vocab_size=f.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=f.int("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position,
+        rms_norm_eps=f.float("rms_norm_eps", default_eps),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        rope=_rope(f, default_theta, max_position),
+        bos_token_id=f.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        checkpoint_dtype=f.get("dtype") or f.get("torch_dtype"),
+    )
+
+
+def _rope(f: _Fields, default_theta: float, max_position: int) -> RopeConfig:
+    params = f.get("rope_parameters") or f.get("rope_scaling") or {}
+    key = "rope_parameters" if f.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise f._bad(key, params, "a mapping")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise f.unsupported(f"{key} per layer type")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise f.unsupported(
+            f"{key}.rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", f.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise f.unsupported(f"partial_rotary_factor {partial!r}")
+    p = _Fields(params, f"{f.source}: {key}")
+    theta = p.float("rope_theta", f.float("rope_theta", default_theta))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(rope_type="linear", theta=theta, factor=p.float("factor"))
+    # NOTE: like transformers, a top-level original_max_position_embeddings wins over the nested
+    # one, and max_position_embeddings stands in when neither is given.
+    original = f.get("original_max_position_embeddings")
+    if original is None:
+        original = params.get("original_max_position_embeddings", max_position)
+    if rope_type == "llama3":
+        return RopeConfig(
+            rope_type="llama3",
+            theta=theta,
+            factor=p.float("factor"),
+            low_freq_factor=p.float("low_freq_factor"),
+            high_freq_factor=p.float("high_freq_factor"),
+            original_max_position_embeddings=int(original),
+        )
+    # yarn
+    factor = params.get("factor")
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    return RopeConfig(
+        rope_type="yarn",
+        theta=theta,
+        factor=float(factor) if factor is not None else max_position / int(original),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        attention_factor=float(attention_factor) if attention_factor is not None else None,
+        mscale=float(mscale) if mscale else None,
+        mscale_all_dim=float(mscale_all_dim) if mscale_all_dim else None,
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _check_sliding_window(f: _Fields, enabled: bool, max_position: int) -> None:
+    window = f.get("sliding_window")
+    if enabled and window is not None and window < max_position:
+        raise f.unsupported(
+            f"sliding window attention (sliding_window {window} < max_position_embeddings "
+            f"{max_position})"
+        )
+
+
+# --- families --------------------------------------------------------------------------------
+
+
+def _llama(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=2048
+    )
+    bias = f.bool("attention_bias", False)
+    return ArchConfig(**base, qkv_bias=bias, o_proj_bias=bias, mlp_bias=f.bool("mlp_bias", False))
+
+
+def _qwen2(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=32768
+    )
+    _check_sliding_window(f, f.bool("use_sliding_window", False), base["max_position_embeddings"])
+    # Qwen2 always has q/k/v biases and no o_proj bias.
+    return ArchConfig(**base, qkv_bias=True, o_proj_bias=False)
+
+
+def _qwen3(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f,
+        architecture,
+        default_theta=10000.0,
+        default_eps=1e-6,
+        default_max_position=32768,
+        default_head_dim=128,  # Qwen3Config's default; real configs always write it
+    )
+    _check_sliding_window(f, f.bool("use_sliding_window", False), base["max_position_embeddings"])
+    bias = f.bool("attention_bias", False)
+    return ArchConfig(**base, qkv_bias=bias, o_proj_bias=bias, qk_norm=True)
+
+
+def _qwen3_moe(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=32768
+    )
+    _check_sliding_window(f, f.bool("use_sliding_window", False), base["max_position_embeddings"])
+    bias = f.bool("attention_bias", False)
+    # Hub configs say `num_experts`; transformers 5 writes `num_local_experts` (an alias).
+    key = "num_experts" if "num_experts" in f.raw else "num_local_experts"
+    num_experts = f.int(key, 128, minimum=0)
+    step = f.int("decoder_sparse_step", 1)
+    mlp_only = f.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise f._bad("mlp_only_layers", mlp_only, "a list of layer indices")
+    moe_layers = tuple(
+        i
+        for i in range(base["num_layers"])
+        if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+    )
+    return ArchConfig(
+        **base,
+        qkv_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        num_experts=num_experts,
+        num_experts_per_tok=f.int("num_experts_per_tok", 8),
+        moe_intermediate_size=f.int("moe_intermediate_size", 768),
+        norm_topk_prob=f.bool("norm_topk_prob", False),
+        moe_layers=moe_layers,
+    )
+
+
+def _mixtral(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f, architecture, default_theta=1e6, default_eps=1e-5, default_max_position=4096 * 32
+    )
+    _check_sliding_window(f, True, base["max_position_embeddings"])
+    return ArchConfig(
+        **base,
+        num_experts=f.int("num_local_experts", 8),
+        num_experts_per_tok=f.int("num_experts_per_tok", 2),
+        moe_intermediate_size=base["intermediate_size"],
+        norm_topk_prob=True,  # Mixtral always renormalizes its top-k weights
+        moe_layers=tuple(range(base["num_layers"])),
+    )
+
+
+_PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
+    "LlamaForCausalLM": _llama,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral,
+}

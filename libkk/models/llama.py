@@ -1,0 +1,255 @@
+"""Llama (and Qwen2, SmolLM2): the dense decoder the other families build on.
+
+Flat batch: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]` with every request's
+tokens concatenated; attention finds each request's rows and KV blocks in the forward context.
+
+Qwen2 is Llama with q/k/v biases; SmolLM2 is Llama with tied embeddings. Both differences come from
+the ArchConfig, not from code. Parameter names mirror the HF module tree, except that q/k/v and
+gate/up are stacked into `qkv_proj` and `gate_up_proj`; `load_weights` maps checkpoint names.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Hashable, Iterable
+
+import torch
+from torch import nn
+
+from libkk.layers.activation import SiluAndMul
+from libkk.layers.attention import Attention
+from libkk.layers.embedding import LMHead, VocabEmbedding
+from libkk.layers.linear import WHOLE, GateUpLinear, Linear, QKVLinear, default_weight_loader
+from libkk.layers.norm import RMSNorm
+from libkk.layers.rotary import RotaryEmbedding
+from libkk.models.arch_config import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(self.act_fn(gate_up))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            bias=config.qkv_bias,
+        )  # fmt: skip
+        self.o_proj = Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
+        )
+        self.rotary_emb = rotary_emb  # shared by all layers; one cos/sin table per model
+        self.attn = Attention(
+            config.num_heads, config.head_dim, config.num_kv_heads, scale=config.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. Carries the residual stream separately so each norm fuses the add."""
+
+    def __init__(self, config: ArchConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None in the first layer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        return hidden, residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ArchConfig, layers: list[LlamaDecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # a model with no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# Checkpoint name fragment -> (parameter name fragment, shard id) for stacked parameters.
+_STACKED: tuple[tuple[str, str, Hashable], ...] = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface every family implements.
+
+    - `forward(input_ids, positions) -> hidden`, run under `set_forward_context(...)`;
+    - `compute_logits(hidden [N, hidden]) -> [N, vocab] float32`;
+    - `attention_layers()`: the `Attention` modules in layer order (the runner binds `kv_cache`);
+    - `load_weights(weights) -> set[str]`: the parameter names that were fully loaded.
+    """
+
+    # Checkpoint name substrings renamed before matching (e.g. Mixtral's block_sparse_moe -> mlp).
+    weight_renames: tuple[tuple[str, str], ...] = ()
+    # Per-expert checkpoint projection name -> (FusedMoE parameter, part); empty for dense models.
+    expert_weights: dict[str, tuple[str, int]] = {}
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope
+        )
+        layers = [
+            LlamaDecoderLayer(config, self.make_attention(config), self.make_mlp(config, i))
+            for i in range(config.num_layers)
+        ]
+        self.model = LlamaModel(config, layers)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    # -- family hooks ---------------------------------------------------------------------
+
+    def make_attention(self, config: ArchConfig) -> nn.Module:
+        return LlamaAttention(config, self.rotary_emb)
+
+    def make_mlp(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+    # -- the model interface --------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors (HF names) into the parameters; returns those fully loaded.
+
+        Stacked parameters count as loaded once every shard arrived (q, k and v; gate and up; each
+        expert's projections). Names that match no parameter are skipped with a debug log.
+        """
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[Hashable]] = defaultdict(set)
+        for ckpt_name, tensor in weights:
+            target = self._map_weight_name(ckpt_name)
+            if target is None or target[0] not in params:
+                logger.debug("ignoring checkpoint tensor %s", ckpt_name)
+                continue
+            name, shard_id = target
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, ckpt_name, shard_id)
+            shards_seen[name].add(shard_id)
+        return {
+            name
+            for name, seen in shards_seen.items()
+            if None in seen or seen >= getattr(params[name], "shard_ids", WHOLE)
+        }
+
+    def _map_weight_name(self, name: str) -> tuple[str, Hashable] | None:
+        """Checkpoint name -> (parameter name, shard id), or None to skip the tensor."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if self.config.tie_word_embeddings and name.startswith("lm_head."):
+            return None  # tied: the embedding is the head (some checkpoints still store a copy)
+        for old, new in self.weight_renames:
+            name = name.replace(old, new)
+        if self.expert_weights:
+            if m := _PER_EXPERT.match(name):
+                proj = self.expert_weights.get(m["proj"])
+                if proj is None:
+                    return None
+                param, part = proj
+                return f"{m['prefix']}.{param}", (int(m["expert"]), part)
+            if m := _FUSED_EXPERTS.match(name):
+                param = "w13_weight" if m["proj"] == "gate_up_proj" else "w2_weight"
+                return f"{m['prefix']}.{param}", None
+        for ckpt_part, param_part, shard_id in _STACKED:
+            if ckpt_part in name:
+                return name.replace(ckpt_part, param_part), shard_id
+        return name, None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases (set by its ArchConfig)."""

@@ -1,0 +1,206 @@
+"""Builds a model from a Hugging Face folder: config.json + safetensors (never pickle).
+
+The checkpoint is one `model.safetensors` or shards listed by `model.safetensors.index.json`.
+Every file is opened (header only, memory-mapped) and checked before the first weight is copied,
+so a truncated file, a missing shard or an index that names absent tensors fails fast with the
+file in the message. Tensors are cast to the requested dtype as they are copied into the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from libkk.errors import CorruptCheckpointError, ModelNotFoundError
+from libkk.models.arch_config import ArchConfig, parse_arch_config
+from libkk.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_MAX_LISTED = 20
+_STACKED_HINTS = ("qkv_proj", "gate_up_proj", "w13_weight", "w2_weight")
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> tuple[nn.Module, ArchConfig]:
+    """Reads config.json, builds the model on `device` in `dtype` and fills every parameter.
+
+    Raises ModelNotFoundError (folder, config.json or a shard missing; only pickle weights),
+    CorruptCheckpointError (bad JSON, truncated/unreadable safetensors, shape mismatch, missing
+    weights) or UnsupportedModelError (architecture or feature not implemented).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelNotFoundError(f"model folder {str(model_dir)!r} does not exist")
+    config = read_arch_config(model_dir)
+    shards = checkpoint_shards(model_dir)
+    model_cls = get_model_class(config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config)
+    model.eval()
+
+    current: list[Path] = []  # the file being read, for error messages
+    total = sum(len(s.names) for s in shards)
+    with tqdm(
+        total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress
+    ) as bar:
+        try:
+            loaded = model.load_weights(_iter_tensors(shards, current, bar))
+        except CorruptCheckpointError as e:
+            if current and str(current[0]) not in str(e):
+                raise CorruptCheckpointError(f"{e} (in {current[0]})") from None
+            raise
+
+    expected = {name for name, _ in model.named_parameters()}
+    missing = sorted(expected - loaded)
+    if missing:
+        listed = ", ".join(missing[:_MAX_LISTED])
+        more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+        stacked = any(s in n for n in missing for s in _STACKED_HINTS)
+        hint = (
+            " (a stacked parameter is missing one of its parts: qkv_proj <- q/k/v_proj, "
+            "gate_up_proj <- gate/up_proj, experts.w13_weight/w2_weight <- per-expert weights)"
+            if stacked
+            else ""
+        )
+        raise CorruptCheckpointError(
+            f"checkpoint in {str(model_dir)!r} lacks {len(missing)} weight(s) the model needs: "
+            f"{listed}{more}{hint}"
+        )
+    return model, config
+
+
+def read_arch_config(model_dir: Path) -> ArchConfig:
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{str(path)!r} not found: a model folder needs a config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{str(path)!r} must hold a JSON object")
+    return parse_arch_config(raw, source=str(path))
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    names: tuple[str, ...]  # tensors to read from this file, in file order
+
+
+def checkpoint_shards(model_dir: Path) -> list[Shard]:
+    """Finds and validates the safetensors files of a folder; reads headers only."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    wanted: dict[Path, set[str] | None]  # None: every tensor in the file
+    if index_path.is_file():
+        wanted = _read_index(index_path)
+    elif (model_dir / SINGLE_FILE).is_file():
+        wanted = {model_dir / SINGLE_FILE: None}
+    else:
+        # Unindexed shards; `consolidated*` files are Mistral's own naming, not HF's.
+        files = sorted(
+            p for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated")
+        )
+        if not files:
+            pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+            found = f"; found {', '.join(pickles)}" if pickles else ""
+            raise ModelNotFoundError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {str(model_dir)!r}{found} "
+                "(libkk reads only safetensors weights, never pickle files)"
+            )
+        wanted = dict.fromkeys(files)
+
+    shards = []
+    for path, names in wanted.items():
+        keys = _read_keys(path)
+        if names is None:
+            shards.append(Shard(path, tuple(keys)))
+            continue
+        absent = sorted(names - set(keys))
+        if absent:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} lacks tensor(s) that {INDEX_FILE} assigns to it: "
+                f"{', '.join(absent[:_MAX_LISTED])}"
+            )
+        shards.append(Shard(path, tuple(k for k in keys if k in names)))
+    return shards
+
+
+def _read_index(index_path: Path) -> dict[Path, set[str] | None]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{str(index_path)!r} is not a valid index: {e!r}") from None
+    wanted: dict[Path, set[str] | None] = {}
+    for name, file in weight_map.items():
+        path = index_path.parent / str(file)
+        names = wanted.setdefault(path, set())
+        assert names is not None
+        names.add(name)
+    for path in wanted:
+        if not path.is_file():
+            raise ModelNotFoundError(f"shard {str(path)!r} named by {INDEX_FILE} does not exist")
+    return wanted
+
+
+def _read_keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from None
+
+
+def _iter_tensors(
+    shards: list[Shard], current: list[Path], bar: tqdm
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, CPU tensor) memory-mapped from each file; `current` names the open file."""
+    for shard in shards:
+        current[:] = [shard.path]
+        try:
+            with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+                for name in shard.names:
+                    try:
+                        tensor = f.get_tensor(name)
+                    except (SafetensorError, OSError, RuntimeError) as e:
+                        raise CorruptCheckpointError(
+                            f"cannot read tensor {name!r} from {str(shard.path)!r}: {e}"
+                        ) from None
+                    yield name, tensor
+                    bar.update(1)
+        except (SafetensorError, OSError) as e:
+            raise CorruptCheckpointError(f"cannot read {str(shard.path)!r}: {e}") from None
+    current.clear()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters are created directly in `dtype` (no fp32 copy of a large model first)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

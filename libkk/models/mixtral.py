@@ -1,0 +1,29 @@
+"""Mixtral: Llama attention; every layer's MLP is a sparse MoE with renormalized top-k weights.
+
+Checkpoint names: hub checkpoints (and transformers 5's save_pretrained) keep the original
+`block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w{1,2,3}.weight` (w1 gate,
+w3 up, w2 down); transformers 5's in-memory layout is `mlp.experts.gate_up_proj` / `down_proj`.
+Both load into `mlp.experts.w13_weight` / `w2_weight`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from libkk.layers.moe import SparseMoeBlock
+from libkk.models.arch_config import ArchConfig
+from libkk.models.llama import LlamaForCausalLM
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    weight_renames = ((".block_sparse_moe.", ".mlp."),)
+    expert_weights = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 0)}
+
+    def make_mlp(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        return SparseMoeBlock(
+            config.hidden_size,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=True,
+        )

@@ -1,0 +1,37 @@
+"""Qwen3: Llama with a per-head RMSNorm on q and k before RoPE (and no q/k/v bias by default)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from libkk.layers.norm import RMSNorm
+from libkk.layers.rotary import RotaryEmbedding
+from libkk.models.arch_config import ArchConfig
+from libkk.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(config, rotary_emb)
+        # Normalizes each head's vector (over head_dim), shared across heads.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
+        num_tokens = hidden.shape[0]
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def make_attention(self, config: ArchConfig) -> nn.Module:
+        return Qwen3Attention(config, self.rotary_emb)

@@ -1,0 +1,34 @@
+"""Qwen3-MoE: Qwen3 attention; the MLP of each layer in `moe_layers` is a sparse MoE.
+
+Routing: softmax over all experts, top-k, renormalized only when `norm_topk_prob`. Layers outside
+`moe_layers` (`mlp_only_layers`, `decoder_sparse_step`) keep a dense MLP of `intermediate_size`.
+
+Checkpoint expert names: `mlp.experts.{e}.{gate,up,down}_proj.weight` (hub checkpoints and what
+transformers 5 saves) or the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`
+(transformers 5's in-memory layout); both load into `experts.w13_weight` / `experts.w2_weight`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from libkk.layers.moe import SparseMoeBlock
+from libkk.models.arch_config import ArchConfig
+from libkk.models.llama import LlamaMLP
+from libkk.models.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    expert_weights = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
+                      "down_proj": ("w2_weight", 0)}  # fmt: skip
+
+    def make_mlp(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        if layer_idx not in config.moe_layers:
+            return LlamaMLP(config.hidden_size, config.intermediate_size)
+        return SparseMoeBlock(
+            config.hidden_size,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+        )

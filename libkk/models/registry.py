@@ -1,0 +1,40 @@
+"""Maps a checkpoint's `architectures[0]` to the model class that runs it."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from libkk.errors import UnsupportedModelError
+
+# architecture name (as in config.json) -> "module:Class"; imported on first use.
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "libkk.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "libkk.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "libkk.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "libkk.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "libkk.models.mixtral:MixtralForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def unsupported_architecture(
+    architecture: object, source: str = "config.json"
+) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{source}: architecture {architecture!r} is not supported; "
+        f"supported architectures: {', '.join(supported_architectures())}"
+    )
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class for `architecture`; raises UnsupportedModelError listing the supported ones."""
+    target = _MODELS.get(architecture)
+    if target is None:
+        raise unsupported_architecture(architecture)
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
