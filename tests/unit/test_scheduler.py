@@ -78,7 +78,7 @@ def test_chunked_prefill_splits_long_prompt_and_samples_only_at_the_end():
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     s = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
-    a, b = make_request(10, max_tokens=3), make_request(10, max_tokens=3)
+    a, b = make_request(10, max_tokens=3), make_request(10, max_tokens=3, first_token=50)
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
@@ -139,10 +139,10 @@ def _time_shares(share: float) -> tuple[float, float, int, int]:
     """Runs a decode-heavy and a prefill-heavy workload that contend; returns the measured time
     of prefill and decode steps (a prefill step costs 3, a decode step 1) while both had work."""
     s = make_scheduler(max_num_batched_tokens=16, prefill_compute_share=share, max_num_seqs=64)
-    for _ in range(4):
-        s.add_request(make_request(2, max_tokens=200))
-    for _ in range(30):
-        s.add_request(make_request(64, max_tokens=1))
+    for i in range(4):
+        s.add_request(make_request(2, max_tokens=200, first_token=10 * i))
+    for i in range(30):  # distinct prompts: no prefix hits
+        s.add_request(make_request(64, max_tokens=1, first_token=1000 + 100 * i))
     cost = {PREFILL: 3.0, DECODE: 1.0}
     time = {PREFILL: 0.0, DECODE: 0.0}
     count = {PREFILL: 0, DECODE: 0}
@@ -180,12 +180,12 @@ def test_prefill_share_without_contention_runs_freely():
 
 def test_auto_share_moves_toward_pressure_within_bounds():
     s = make_scheduler(max_num_batched_tokens=16, prefill_compute_share="auto", max_num_seqs=64)
-    for _ in range(2):
-        s.add_request(make_request(2, max_tokens=500))
+    for i in range(2):
+        s.add_request(make_request(2, max_tokens=500, first_token=10 * i))
     for _ in range(2):
         s.update(out := s.schedule(), fake_run(out), 1.0)
-    for _ in range(50):
-        s.add_request(make_request(64, max_tokens=1))
+    for i in range(50):
+        s.add_request(make_request(64, max_tokens=1, first_token=1000 + 100 * i))
     for _ in range(60):
         s.update(out := s.schedule(), fake_run(out), 1.0)
     assert 0.5 < s.share <= 0.8  # lots of queued prefill: the share rose, but not past its bound
