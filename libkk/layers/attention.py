@@ -46,12 +46,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference paged attention in plain torch: one SDPA call per request."""
+    """Reference paged attention in plain torch.
+
+    Uniform decode batches (one query per request) run as one padded SDPA call; anything else
+    runs one SDPA call per request with a causal mask over its new tokens.
+    """
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         store_kv(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.max_query_len == 1 and q.shape[0] == metadata.num_reqs:
+            return self._decode(q, kv_cache, metadata, scale)
         block_size = metadata.block_size
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_cpu
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
@@ -59,27 +64,41 @@ class TorchAttentionBackend(AttentionBackend):
             query_len = q_end - q_start
             if query_len == 0:
                 continue
-            num_blocks = -(-seq_len // block_size)
-            blocks = metadata.block_table[i, :num_blocks].long()
-            # [seq_len, num_kv_heads, head_dim]
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            qi = q[q_start:q_end].transpose(0, 1)  # [num_heads, query_len, head_dim]
-            ki = keys.transpose(0, 1).to(q.dtype)
-            vi = values.transpose(0, 1).to(q.dtype)
-            if num_kv_heads != num_heads:
-                ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0)
-                vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0)
-            if query_len == 1:
-                mask = None  # a single query sees the whole context
-            else:
-                # Query row r sits at position seq_len - query_len + r and sees keys up to it.
-                q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+            blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
+            # [num_kv_heads, seq_len, head_dim]
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+            # Query row r sits at position seq_len - query_len + r and sees keys up to it.
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
             out[q_start:q_end] = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=scale
+                q[q_start:q_end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                enable_gqa=True,
             ).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q, kv_cache, metadata, scale):
+        num_reqs = metadata.num_reqs
+        max_blocks = -(-metadata.max_seq_len // metadata.block_size)
+        blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
+        # [num_reqs, num_kv_heads, max_blocks * block_size, head_dim]
+        keys = kv_cache[0, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = kv_cache[1, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        # Slots past each request's length hold whatever was there (maybe NaN, and masked
+        # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.
+        mask = (
+            torch.arange(keys.shape[2], device=q.device)[None, :]
+            < metadata.seq_lens.to(q.device)[:, None]
+        )  # [num_reqs, max_len]
+        invalid = ~mask[:, None, :, None]
+        keys.masked_fill_(invalid, 0.0)
+        values.masked_fill_(invalid, 0.0)
+        out = F.scaled_dot_product_attention(
+            q.view(num_reqs, -1, 1, q.shape[-1]), keys, values,
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # [num_reqs, num_heads, 1, head_dim]
+        return out.view(num_reqs, -1, q.shape[-1])
 
 
 _BACKEND: AttentionBackend = TorchAttentionBackend()
