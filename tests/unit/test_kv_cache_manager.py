@@ -417,7 +417,9 @@ def test_bytes_per_block_and_allocation() -> None:
     assert len(caches) == 3 and len({c.data_ptr() for c in caches}) == 3
     for c in caches:
         assert c.shape == (2, 5, 4, 2, 8) and c.dtype == torch.float32
-        assert not c.any()
+        # The null block is zeroed: padded rows read it. Other CPU blocks are left untouched
+        # (no resident memory until used).
+        assert not c[:, 0].any()
 
 
 MiB = 1 << 20
