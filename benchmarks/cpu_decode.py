@@ -2,8 +2,8 @@
 
 Both decode greedily from the same prompt for a fixed number of tokens (EOS ignored). Decode time
 is measured after the first token (prefill excluded): libkk from each request's timeline,
-transformers as generate(N + 1 tokens) minus generate(1 token). Repeats and reports the median and
-the spread. Prints a table and writes JSON.
+transformers as generate(N + 1 tokens) minus generate(1 token). The two run interleaved, repeat
+after repeat, and the table reports the median and the spread. Writes JSON too.
 
     python benchmarks/cpu_decode.py [--tokens 128] [--repeats 5] [--batch 1 4] [--out FILE]
 """
@@ -22,40 +22,40 @@ import torch
 PROMPT = "The history of the printing press begins with"
 
 
-def bench_libkk(model_dir: str, batch: int, tokens: int, repeats: int) -> list[float]:
+def libkk_runner(model_dir: str, batch: int, tokens: int):
     from libkk import SamplingParams, Session
 
+    session = Session(model_dir, device="cpu", max_model_len=1024, progress=False)
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
-    rates = []
-    with Session(model_dir, device="cpu", max_model_len=1024, progress=False) as s:
-        s.generate([PROMPT] * batch, SamplingParams(max_tokens=4))  # warm up
-        for _ in range(repeats):
-            outs = s.generate([PROMPT] * batch, params)
-            decode = max(o.timeline.decode_time for o in outs)
-            rates.append(batch * tokens / decode)
-    return rates
+    session.generate([PROMPT] * batch, SamplingParams(max_tokens=4))  # warm up
+
+    def run() -> float:
+        outs = session.generate([PROMPT] * batch, params)
+        return batch * tokens / max(o.timeline.decode_time for o in outs)
+
+    return run
 
 
-def bench_transformers(model_dir: str, batch: int, tokens: int, repeats: int) -> list[float]:
+def transformers_runner(model_dir: str, batch: int, tokens: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = tok([PROMPT] * batch, return_tensors="pt")
 
-    def run(n: int) -> float:
+    def generate(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=tok.eos_token_id)
         return time.perf_counter() - start
 
-    run(4)  # warm up
-    rates = []
-    for _ in range(repeats):
-        decode = run(tokens + 1) - run(1)
-        rates.append(batch * tokens / decode)
-    return rates
+    generate(4)  # warm up
+
+    def run() -> float:
+        return batch * tokens / (generate(tokens + 1) - generate(1))
+
+    return run
 
 
 def main() -> None:
@@ -71,10 +71,15 @@ def main() -> None:
     model_dir = str(default_model_path())
     rows = []
     for batch in args.batch:
-        for name, fn in (("libkk", bench_libkk), ("transformers", bench_transformers)):
-            rates = fn(model_dir, batch, args.tokens, args.repeats)
-            rows.append({"engine": name, "batch": batch, "median_tok_s": statistics.median(rates),
-                         "min_tok_s": min(rates), "max_tok_s": max(rates), "runs": rates})
+        runners = {"libkk": libkk_runner(model_dir, batch, args.tokens),
+                   "transformers": transformers_runner(model_dir, batch, args.tokens)}
+        rates: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+            for name, run in runners.items():
+                rates[name].append(run())
+        for name, r in rates.items():
+            rows.append({"engine": name, "batch": batch, "median_tok_s": statistics.median(r),
+                         "min_tok_s": min(r), "max_tok_s": max(r), "runs": r})
     print(f"CPU decode, SmolLM2-135M fp32, {args.tokens} tokens, {args.repeats} repeats, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"{'engine':<14}{'batch':>6}{'median tok/s':>14}{'min':>9}{'max':>9}")

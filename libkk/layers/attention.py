@@ -48,13 +48,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 class TorchAttentionBackend(AttentionBackend):
     """Reference paged attention in plain torch.
 
-    Uniform decode batches (one query per request) run as one padded SDPA call; anything else
-    runs one SDPA call per request with a causal mask over its new tokens.
+    Decode batches of several requests (one query each) run as one padded SDPA call; anything
+    else runs one SDPA call per request, with a causal mask over its new tokens.
     """
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         store_kv(k, v, kv_cache, metadata.slot_mapping)
-        if metadata.max_query_len == 1 and q.shape[0] == metadata.num_reqs:
+        if metadata.max_query_len == 1 and metadata.num_reqs > 1:
             return self._decode(q, kv_cache, metadata, scale)
         block_size = metadata.block_size
         out = torch.empty_like(q)
@@ -66,11 +66,14 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
             # [num_kv_heads, seq_len, head_dim]
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-            # Query row r sits at position seq_len - query_len + r and sees keys up to it.
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+            keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
+            values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+            keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
+            mask = None  # a single query sees its whole context
+            if query_len > 1:
+                # Query row r sits at position seq_len - query_len + r and sees keys up to it.
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
             out[q_start:q_end] = F.scaled_dot_product_attention(
                 q[q_start:q_end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
                 enable_gqa=True,
@@ -83,8 +86,10 @@ class TorchAttentionBackend(AttentionBackend):
         max_blocks = -(-metadata.max_seq_len // metadata.block_size)
         blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
         # [num_reqs, num_kv_heads, max_blocks * block_size, head_dim]
-        keys = kv_cache[0, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = kv_cache[1, blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        shape = (num_reqs, -1, *kv_cache.shape[3:])  # [num_reqs, max_len, num_kv_heads, D]
+        keys = kv_cache[0].index_select(0, blocks.flatten()).view(shape)
+        values = kv_cache[1].index_select(0, blocks.flatten()).view(shape)
+        keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
         # Slots past each request's length hold whatever was there (maybe NaN, and masked
         # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.
         mask = (

@@ -41,3 +41,22 @@ def test_cli_generate(capsys, default_model_dir):
 def test_cli_reports_errors_without_a_traceback(capsys):
     assert main(["info", "--set", "max_num_seqs=0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_cli_chat_session(capsys, monkeypatch, default_model_dir):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n\n"))
+    assert main(["chat", "--max-tokens", "16", "--set", "max_model_len=256"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_info(capsys, default_model_dir):
+    import json
+
+    assert main(["info", "--set", "max_model_len=256", "--set", "num_gpu_blocks=64"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["layers"] == 30 and info["max_model_len"] == 256
+    assert info["memory"]["kv_blocks"] == 64
+    assert 130e6 < info["parameters"] < 140e6
