@@ -120,6 +120,69 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_list(args: argparse.Namespace) -> int:
+    import time
+
+    from libkk.graphs.artifacts import ArtifactCache
+
+    cache = ArtifactCache()
+    entries = cache.list_entries()
+    if not entries:
+        print(f"no compiled-graph artifacts in {cache.root}")
+        return 0
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
+
+    rows = [("KEY", "STATE", "SIZE", "CREATED", "LAST USED", "MODEL")]
+    for e in entries:
+        state = "ready" if e.ready else f"invalid: {e.problem}"
+        rows.append((e.key[:16], state, f"{e.size_bytes / 2**20:.1f} MiB", when(e.created),
+                     when(e.last_used), e.model or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    total = sum(e.size_bytes for e in entries) / 2**20
+    print(f"{len(entries)} entries, {total:.1f} MiB in {cache.root}")
+    return 0
+
+
+def cmd_cache_prune(args: argparse.Namespace) -> int:
+    from libkk.graphs.artifacts import ArtifactCache
+
+    cache = ArtifactCache()
+    if args.all:
+        removed = cache.prune(all_=True)
+    else:
+        removed = cache.prune(invalid_only=True)  # broken or unfinished entries always go
+        if args.older_than is not None:
+            removed += cache.prune(older_than_days=args.older_than, invalid_only=False)
+    for e in removed:
+        print(f"removed {e.key[:16]}  {'ready' if e.ready else 'invalid'}  {e.model or '-'}")
+    freed = sum(e.size_bytes for e in removed) / 2**20
+    print(f"removed {len(removed)} entries, {freed:.1f} MiB from {cache.root}")
+    return 0
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    import time
+
+    from libkk.api.session import Session
+
+    # NOTE: compile and capture happen when an engine with graphs loads the model, so warming is
+    # loading it once; the engine stores the artifacts in the cache.
+    config = EngineConfig.from_file(args.config) if args.config else EngineConfig()
+    config = config.updated(**dict(args.settings))
+    if args.device is not None:
+        config = config.updated(device=args.device)
+    start = time.perf_counter()
+    with Session(args.model, config=config) as session:
+        device = session.engine.device
+    print(f"warmed {args.model or 'the default model'} on {device} "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -140,6 +203,25 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="the model, its memory and the settings, as JSON")
     _add_engine_args(info)
     info.set_defaults(func=cmd_info)
+
+    cache = sub.add_parser("cache", help="the compiled-graph artifact cache: list, warm, prune")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    cache_list = cache_sub.add_parser("list", help="every entry: key, state, size, dates, model")
+    cache_list.set_defaults(func=cmd_cache_list)
+    warm = cache_sub.add_parser("warm",
+                                help="load a model once so its compiled graphs land in the cache")
+    warm.add_argument("model", nargs="?", default=None,
+                      help="HF-layout folder or .gguf file (default model)")
+    warm.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    warm.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
+    warm.add_argument("--set", dest="settings", action="append", default=[],
+                      type=_parse_setting, metavar="KEY=VALUE", help="one engine setting")
+    warm.set_defaults(func=cmd_cache_warm)
+    prune = cache_sub.add_parser("prune", help="remove invalid entries (and old ones, or all)")
+    prune.add_argument("--all", action="store_true", help="remove every entry")
+    prune.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                       help="also remove entries not used for this many days")
+    prune.set_defaults(func=cmd_cache_prune)
     return parser
 
 

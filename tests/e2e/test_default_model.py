@@ -60,3 +60,20 @@ def test_cli_info(capsys, default_model_dir):
     assert info["layers"] == 30 and info["max_model_len"] == 256
     assert info["memory"]["kv_blocks"] == 64
     assert 130e6 < info["parameters"] < 140e6
+
+
+def test_min_tokens_holds_back_the_end_token_and_stop_token_ids_end_early(session):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    short = session.chat(messages, SamplingParams(max_tokens=40, temperature=0.0))
+    assert short.finish_reason == "stop" and len(short.token_ids) < 20
+    eos = short.token_ids[-1]
+    assert eos in session.tokenizer.eos_token_ids
+    held = session.chat(messages, SamplingParams(max_tokens=40, min_tokens=20, temperature=0.0))
+    assert len(held.token_ids) >= 20
+    assert eos not in held.token_ids[:19]
+    # A stop token id ends the request at its first occurrence, with that id as the reason.
+    first = short.token_ids[1]
+    cut = session.chat(messages, SamplingParams(max_tokens=40, temperature=0.0,
+                                                stop_token_ids=[first]))
+    assert cut.token_ids == short.token_ids[:2]
+    assert cut.finish_reason == "stop" and cut.stop_reason == first

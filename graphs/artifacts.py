@@ -1,0 +1,781 @@
+"""The artifact cache: compiled-graph artifacts on disk, keyed by everything that changes them.
+
+Layout under the root (default `<libkk_cache_dir()>/artifacts`):
+
+    <key>/                  one entry
+        manifest.json       msgspec JSON: key inputs, every stored file's size and sha256,
+                            created time, libkk version
+        READY               sha256 of manifest.json; written last
+        torch_compile.bin   bytes of `torch.compiler.save_cache_artifacts()` (the mega-cache)
+        autotune.jsonl      Triton autotune choices; append-only, outside the READY protocol
+    <key>.lock              flock'd by the one process that builds or removes <key>/
+
+What the key hashes (`ArtifactKey`, also stored in the manifest): a format number; the model's
+config.json content as canonical JSON (sorted keys); the graph-relevant settings the caller passes,
+canonicalized the same way; a sha256 over every .py file of the libkk, libkk.graphs and
+libkk.kernels packages (module names + contents, computed once per process); the Python
+major.minor; the CPU architecture; the torch, Triton and CUDA (`torch.version.cuda`) versions; the
+GPU name ("cpu" without one). Weights are not in the key: the compiled code must not bake weights in
+as constants (no Inductor freezing) unless the caller adds a weights hash to the settings.
+
+Protocol. A reader trusts an entry only if READY holds the sha256 of manifest.json and every file
+the manifest lists has the recorded size and sha256; anything else (no READY, a truncated file, a
+flipped byte, an unparsable manifest) is logged and the entry is rebuilt, never loaded. A builder
+takes `<key>.lock`, looks again (another process may have finished meanwhile), clears what is
+there, writes each file to a temporary name + fsync + rename, then the manifest, then READY. A
+process that cannot get the lock within the timeout carries on without the cache.
+
+Autotune choices are appended one complete line at a time, each with its own checksum, under a
+flock of the file itself, whether or not the entry is READY (tuning happens while it is built).
+A crash mid-tune leaves a torn last line at worst: readers skip it, keep the finished choices, and
+the next append starts on a fresh line. Rebuilding an entry keeps this file: the choices depend
+only on what is in the key.
+
+Typical use by the graph runtime:
+
+    entry = ArtifactCache().entry(ArtifactKey.build(model_config, settings, device_name))
+    if not load_compile_artifacts(entry):
+        with entry.writer(model_name=name) as w:
+            if w.reused:                  # another process built it while we waited
+                load_compile_artifacts(entry)
+            compile_and_capture()
+            save_compile_artifacts(w)     # a no-op unless this process builds the entry
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+# NOTE: shared with the default model's converted-model cache and meant for a common filesystem
+# module; our manifest keeps the same `files` layout on purpose, so `verify_manifest` checks both.
+from libkk.models.default import (
+    _MANIFEST_VERSION,
+    MANIFEST,
+    _fsync_dir,
+    _sha256,
+    libkk_cache_dir,
+    verify_manifest,
+)
+
+logger = logging.getLogger("libkk")
+
+KEY_FORMAT = 1  # bump when the entry layout or the meaning of a stored file changes
+READY = "READY"
+AUTOTUNE = "autotune.jsonl"
+COMPILE_ARTIFACTS = "torch_compile.bin"
+DEFAULT_LOCK_TIMEOUT_S = 900.0  # a cold compile + capture of a large model takes minutes
+
+_RESERVED = {MANIFEST, READY, AUTOTUNE}
+_KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_SOURCE_PACKAGES = ("libkk", "libkk.graphs", "libkk.kernels")
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+# ---- the key ----------------------------------------------------------------------------------
+
+
+class ArtifactKey(msgspec.Struct, **_STRUCT):
+    """Everything that changes the compiled code; `digest()` names the entry."""
+
+    format: int
+    model_config: dict[str, Any]
+    graph_settings: dict[str, Any]
+    libkk_source: str
+    python: str
+    machine: str
+    torch: str
+    triton: str | None
+    cuda: str | None
+    device_name: str
+
+    @classmethod
+    def build(
+        cls,
+        model_config: Mapping[str, Any],
+        graph_settings: Mapping[str, Any],
+        device_name: str | None,
+    ) -> ArtifactKey:
+        """`device_name`: the GPU's name (`torch.cuda.get_device_name`), None on CPU."""
+        return cls(
+            format=KEY_FORMAT,
+            model_config=_canonical(model_config),
+            graph_settings=_canonical(graph_settings),
+            libkk_source=source_hash(),
+            python=f"{sys.version_info.major}.{sys.version_info.minor}",
+            machine=platform.machine(),
+            torch=str(torch.__version__),
+            triton=triton_version(),
+            cuda=torch.version.cuda,
+            device_name=device_name or "cpu",
+        )
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self, order="sorted")).hexdigest()[:32]
+
+
+def artifact_key(
+    model_config: Mapping[str, Any], graph_settings: Mapping[str, Any], device_name: str | None
+) -> str:
+    """The entry name for these inputs; see `ArtifactKey` for what goes in."""
+    return ArtifactKey.build(model_config, graph_settings, device_name).digest()
+
+
+def device_name_of(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 of libkk's Python source (graphs and kernels included), once per process."""
+    roots: dict[Path, str] = {}
+    for package in _SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            roots.setdefault(Path(location).resolve(), package)
+    return hash_source_tree(roots)
+
+
+def hash_source_tree(roots: Mapping[Path, str]) -> str:
+    """sha256 over (module name, content) of every .py file under `roots` (folder -> package).
+
+    Module names rather than paths, so the same source installed elsewhere hashes the same; a
+    module reachable from two roots (graphs/ inside an installed libkk/) counts once.
+    """
+    files: dict[str, Path] = {}
+    for root, package in sorted(roots.items()):
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root)
+            if "__pycache__" in rel.parts:
+                continue
+            files.setdefault(".".join((package, *rel.with_suffix("").parts)), path)
+    h = hashlib.sha256()
+    for module in sorted(files):
+        h.update(f"{module}\0{_sha256(files[module])}\n".encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def triton_version() -> str | None:
+    for dist in ("triton", "pytorch-triton"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+    return None
+
+
+def libkk_version() -> str:
+    try:
+        return importlib.metadata.version("libkk")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _canonical(value: Any) -> Any:
+    """Plain JSON values (sorted keys), so equal settings give equal keys whatever their types."""
+
+    def enc_hook(obj: Any) -> Any:
+        if isinstance(obj, Mapping):
+            return dict(obj)
+        if isinstance(obj, (Path, torch.dtype, torch.device)):
+            return str(obj)
+        raise TypeError(f"a value of type {type(obj).__name__} cannot go into an artifact key")
+
+    return msgspec.json.decode(msgspec.json.encode(value, order="sorted", enc_hook=enc_hook))
+
+
+# ---- manifest and entry info ------------------------------------------------------------------
+
+
+class FileRecord(msgspec.Struct, **_STRUCT):
+    size: int
+    sha256: str
+
+
+class Manifest(msgspec.Struct, **_STRUCT):
+    # Same name and `files` layout as the converted-model manifest, so one verifier checks both.
+    manifest_version: int
+    key: str
+    inputs: ArtifactKey | None
+    model_name: str | None
+    created: float  # unix time
+    libkk_version: str
+    files: dict[str, FileRecord]
+
+
+class EntryInfo(msgspec.Struct, **_STRUCT):
+    key: str
+    path: str
+    ready: bool
+    problem: str | None  # why the entry is not ready
+    size_bytes: int
+    created: float | None  # from the manifest
+    last_used: float  # READY's mtime (touched on load), else the newest file's mtime
+    model: str | None
+
+
+class _AutotuneLine(msgspec.Struct, **_STRUCT):
+    kernel: str
+    key: str
+    config: dict[str, Any]
+    sha256: str
+
+
+# ---- locking ----------------------------------------------------------------------------------
+
+
+def _acquire(path: Path, timeout_s: float) -> int | None:
+    """An fd holding an exclusive flock on `path`, or None after `timeout_s`.
+
+    Checks that the locked file is still the one at `path`: prune unlinks lock files while holding
+    them, and a lock on an unlinked inode would exclude nobody.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        else:
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+            continue
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.5)
+
+
+def _release(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- one entry --------------------------------------------------------------------------------
+
+
+class ArtifactEntry:
+    """One key's folder. Every method logs and degrades instead of raising on a bad cache."""
+
+    def __init__(
+        self, root: Path, key: str, inputs: ArtifactKey | None, lock_timeout_s: float
+    ) -> None:
+        if not _KEY_RE.fullmatch(key):
+            raise ValueError(f"artifact key {key!r} must match {_KEY_RE.pattern}")
+        self.root = root
+        self.key = key
+        self.inputs = inputs
+        self.path = root / key
+        self.lock_path = root / f"{key}.lock"
+        self.lock_timeout_s = lock_timeout_s
+
+    def __repr__(self) -> str:
+        return f"ArtifactEntry({str(self.path)!r})"
+
+    # ---- reading
+
+    def problem(self, verify_files: bool = True) -> str | None:
+        """None if the entry is READY and intact, else why not ("missing" if never built).
+
+        `verify_files=False` checks READY and the manifest only, not the files' sha256.
+        """
+        _, problem = self._ready_manifest()
+        if problem is None and verify_files:
+            try:
+                problem = verify_manifest(self.path)
+            except OSError as e:  # a file removed while being checked (prune)
+                problem = f"unreadable: {e}"
+        return problem
+
+    def is_ready(self) -> bool:
+        """READY exists, the manifest parses and every listed file matches it; logs why not."""
+        problem = self.problem()
+        if problem is not None:
+            self._log_problem(problem)
+        return problem is None
+
+    def manifest(self) -> Manifest | None:
+        """The manifest of a READY entry (files not hashed), else None."""
+        return self._ready_manifest()[0]
+
+    def _ready_manifest(self) -> tuple[Manifest | None, str | None]:
+        try:
+            if not self.path.is_dir():
+                return None, "missing"
+            try:
+                ready = (self.path / READY).read_text(encoding="ascii").strip()
+            except FileNotFoundError:
+                return None, "no READY marker (incomplete, or being built)"
+            raw = (self.path / MANIFEST).read_bytes()
+            if hashlib.sha256(raw).hexdigest() != ready:
+                return None, f"READY does not match {MANIFEST}"
+            manifest = msgspec.json.decode(raw, type=Manifest)
+        except FileNotFoundError as e:
+            return None, f"{Path(e.filename or '?').name} is missing"
+        except (OSError, UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            return None, f"unreadable: {type(e).__name__}: {e}"
+        if manifest.manifest_version != _MANIFEST_VERSION or manifest.key != self.key:
+            return None, f"{MANIFEST} is for another key or layout"
+        if not manifest.files:
+            return None, f"{MANIFEST} lists no files"
+        return manifest, None
+
+    def load_bytes(self, name: str) -> bytes | None:
+        """A stored file's bytes, checked against its size and sha256; None if absent or bad.
+
+        A bad file invalidates the entry, so the next writer rebuilds it.
+        """
+        manifest, problem = self._ready_manifest()
+        if manifest is None:
+            self._log_problem(problem or "")
+            return None
+        record = manifest.files.get(name)
+        if record is None:
+            logger.debug("artifact entry %s holds no %s", self.key, name)
+            return None
+        try:
+            data = (self.path / name).read_bytes()
+        except OSError as e:
+            data, why = None, f"{name} is unreadable: {e}"
+        else:
+            why = None
+            if len(data) != record.size:
+                why = f"{name} has {len(data)} bytes, manifest says {record.size}"
+            elif hashlib.sha256(data).hexdigest() != record.sha256:
+                why = f"{name} does not match its sha256 in {MANIFEST}"
+        if why is not None:
+            self.invalidate(why)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.path / READY)  # last use, for `prune --older-than`
+        return data
+
+    def _log_problem(self, problem: str) -> None:
+        if problem == "missing":
+            logger.debug("artifact entry %s does not exist yet", self.key)
+        elif problem.startswith("no READY"):
+            logger.info("artifact entry %s is not ready: %s", self.key, problem)
+        else:
+            logger.warning(
+                "artifact entry %s is invalid (%s); it will be rebuilt", self.path, problem
+            )
+
+    # ---- writing
+
+    @contextlib.contextmanager
+    def writer(
+        self, *, timeout_s: float | None = None, model_name: str | None = None
+    ) -> Iterator[EntryWriter]:
+        """Build this entry under its lock; see `EntryWriter` for the three outcomes.
+
+        The manifest and READY are written when the block ends without an exception and at least
+        one file was put; an exception leaves the entry unready for the next writer to clear.
+        """
+        timeout = self.lock_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = _acquire(self.lock_path, timeout)
+            why = f"another process held {self.lock_path} for {timeout:.0f} s"
+        except OSError as e:
+            fd, why = None, f"cannot lock {self.lock_path}: {e}"
+        if fd is None:
+            logger.warning("%s; continuing without the artifact cache", why)
+            yield EntryWriter(self, "disabled", model_name)
+            return
+        try:
+            waited = time.monotonic() - start
+            if waited > 1.0:
+                logger.info("waited %.1f s for artifact entry %s", waited, self.key)
+            problem = self.problem()
+            if problem is None:
+                yield EntryWriter(self, "reused", model_name)
+                return
+            if problem != "missing":
+                self._log_problem(problem)
+            writer = EntryWriter(self, "build", model_name)
+            try:
+                self._clear()
+            except OSError as e:
+                logger.warning("cannot clear artifact entry %s (%s); not caching", self.path, e)
+                writer.state = "disabled"
+            yield writer
+            writer._commit()
+        finally:
+            _release(fd)
+
+    def invalidate(self, reason: str) -> bool:
+        """Removes READY so the next writer rebuilds; skipped while another process builds."""
+        logger.warning("artifact entry %s is invalid (%s); it will be rebuilt", self.path, reason)
+        try:
+            fd = _acquire(self.lock_path, 0.0)
+            if fd is None:
+                return False
+            try:
+                (self.path / READY).unlink(missing_ok=True)
+            finally:
+                _release(fd)
+        except OSError as e:
+            logger.warning("cannot invalidate artifact entry %s: %s", self.path, e)
+            return False
+        return True
+
+    def _clear(self) -> None:
+        """Everything but the autotune store goes; READY first, so no reader trusts a half-cleared
+        entry. Called with the lock held."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / READY).unlink(missing_ok=True)
+        (self.path / MANIFEST).unlink(missing_ok=True)
+        for child in self.path.iterdir():
+            if child.name == AUTOTUNE:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink(missing_ok=True)
+        self._compact_autotune()
+
+    # ---- autotune store (outside the READY protocol)
+
+    def record_autotune(self, kernel: str, key: str, config: Mapping[str, Any]) -> bool:
+        """Appends one finished choice; works before READY. False (logged) if it cannot."""
+        body = {"kernel": kernel, "key": key, "config": _canonical(config)}
+        line = msgspec.json.encode({**body, "sha256": _line_digest(body)}, order="sorted") + b"\n"
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / AUTOTUNE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    line = b"\n" + line  # seal a torn last line so this one stays parseable
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # releases the flock
+        except OSError as e:
+            logger.warning("cannot record an autotune choice in %s: %s", self.path, e)
+            return False
+        return True
+
+    def load_autotune(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """kernel -> autotune key -> config, later lines winning; bad lines are skipped (logged)."""
+        try:
+            raw = (self.path / AUTOTUNE).read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            logger.warning("cannot read autotune choices in %s: %s", self.path, e)
+            return {}
+        choices, bad = _parse_autotune(raw)
+        if bad:
+            logger.warning(
+                "%s: skipped %s; kept %d finished choices, the rest will be re-tuned",
+                self.path / AUTOTUNE,
+                ", ".join(bad),
+                sum(map(len, choices.values())),
+            )
+        return choices
+
+    def _compact_autotune(self) -> None:
+        """Drops bad lines so they are not reported on every load. Called with the lock held."""
+        # NOTE: rewritten in place under the appenders' flock, not renamed: an appender waiting
+        # on the old inode's lock would otherwise write into a file nobody reads.
+        with contextlib.suppress(FileNotFoundError), open(self.path / AUTOTUNE, "rb+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            lines = [ln for ln in f.read().split(b"\n") if ln.strip()]
+            good = [ln for ln in lines if _autotune_line(ln) is not None]
+            if len(good) != len(lines):
+                f.seek(0)
+                f.write(b"".join(ln + b"\n" for ln in good))
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+
+    # ---- info
+
+    def info(self) -> EntryInfo:
+        problem = self.problem()
+        manifest = None
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            manifest = msgspec.json.decode((self.path / MANIFEST).read_bytes(), type=Manifest)
+        size, last_used = 0, 0.0
+        for p in self.path.rglob("*") if self.path.is_dir() else ():
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                size += st.st_size if p.is_file() else 0
+                last_used = max(last_used, st.st_mtime)
+        if problem is None:
+            with contextlib.suppress(OSError):
+                last_used = (self.path / READY).stat().st_mtime  # touched by load_bytes
+        return EntryInfo(
+            key=self.key,
+            path=str(self.path),
+            ready=problem is None,
+            problem=problem,
+            size_bytes=size,
+            created=manifest.created if manifest else None,
+            last_used=last_used,
+            model=_model_name(manifest),
+        )
+
+
+class EntryWriter:
+    """What `ArtifactEntry.writer()` yields. `state` is one of:
+
+    - "build": this process holds the lock and builds the entry; `put` stores files.
+    - "reused": another process finished the entry while this one waited; load it instead.
+    - "disabled": no lock (timeout) or an I/O error; `put` does nothing, compile without caching.
+    """
+
+    def __init__(
+        self,
+        entry: ArtifactEntry,
+        state: Literal["build", "reused", "disabled"],
+        model_name: str | None,
+    ) -> None:
+        self.entry = entry
+        self.state = state
+        self.model_name = model_name
+        self._files: dict[str, FileRecord] = {}
+
+    @property
+    def building(self) -> bool:
+        return self.state == "build"
+
+    @property
+    def reused(self) -> bool:
+        return self.state == "reused"
+
+    def put(self, name: str, data: bytes) -> bool:
+        """Stores one file (temp + fsync + rename); False if this writer does not build."""
+        if name in _RESERVED or name.startswith(".") or "/" in name or name in ("", ".."):
+            raise ValueError(f"{name!r} cannot be stored in an artifact entry")
+        if not self.building:
+            return False
+        try:
+            _write_atomic(self.entry.path / name, data)
+        except OSError as e:
+            logger.warning("cannot write %s into %s (%s); not caching", name, self.entry.path, e)
+            self.state = "disabled"
+            return False
+        self._files[name] = FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return True
+
+    def _commit(self) -> None:
+        if not self.building:
+            return
+        entry = self.entry
+        if not self._files:
+            logger.info("nothing was stored in artifact entry %s; it stays unready", entry.key)
+            return
+        manifest = Manifest(
+            manifest_version=_MANIFEST_VERSION,
+            key=entry.key,
+            inputs=entry.inputs,
+            model_name=self.model_name,
+            created=time.time(),
+            libkk_version=libkk_version(),
+            files=self._files,
+        )
+        raw = msgspec.json.encode(manifest, order="sorted")
+        try:
+            _write_atomic(entry.path / MANIFEST, raw)
+            _fsync_dir(entry.path)
+            _write_atomic(entry.path / READY, hashlib.sha256(raw).hexdigest().encode() + b"\n")
+            _fsync_dir(entry.path)
+        except OSError as e:
+            logger.warning("cannot finish artifact entry %s: %s", entry.path, e)
+            (entry.path / READY).unlink(missing_ok=True)
+            return
+        logger.info(
+            "artifact entry %s ready: %d files, %.1f MiB",
+            entry.key,
+            len(self._files),
+            sum(r.size for r in self._files.values()) / 2**20,
+        )
+
+
+def _line_digest(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
+
+
+def _autotune_line(line: bytes) -> _AutotuneLine | None:
+    try:
+        rec = msgspec.json.decode(line, type=_AutotuneLine)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    body = {"kernel": rec.kernel, "key": rec.key, "config": rec.config}
+    return rec if _line_digest(body) == rec.sha256 else None
+
+
+def _parse_autotune(raw: bytes) -> tuple[dict[str, dict[str, dict[str, Any]]], list[str]]:
+    choices: dict[str, dict[str, dict[str, Any]]] = {}
+    bad: list[str] = []
+    lines = raw.split(b"\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rec = _autotune_line(line)
+        if rec is None:
+            torn = number == len(lines)  # no newline after it: a write cut short
+            bad.append(f"line {number} ({'truncated' if torn else 'bad checksum or JSON'})")
+            continue
+        choices.setdefault(rec.kernel, {})[rec.key] = rec.config
+    return choices, bad
+
+
+def _model_name(manifest: Manifest | None) -> str | None:
+    if manifest is None:
+        return None
+    if manifest.model_name:
+        return manifest.model_name
+    config = manifest.inputs.model_config if manifest.inputs else {}
+    name = config.get("_name_or_path") or next(iter(config.get("architectures") or []), None)
+    return str(name) if name else None
+
+
+# ---- the cache --------------------------------------------------------------------------------
+
+
+class ArtifactCache:
+    """All entries under one root; `entry(key)` for one, `list_entries` and `prune` for all."""
+
+    def __init__(
+        self, root: Path | None = None, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    ) -> None:
+        self.root = Path(root) if root is not None else libkk_cache_dir() / "artifacts"
+        self.lock_timeout_s = lock_timeout_s
+
+    def entry(self, key: str | ArtifactKey) -> ArtifactEntry:
+        """The entry for `key`: an `ArtifactKey` (its inputs go in the manifest) or its digest."""
+        if isinstance(key, ArtifactKey):
+            return ArtifactEntry(self.root, key.digest(), key, self.lock_timeout_s)
+        return ArtifactEntry(self.root, key, None, self.lock_timeout_s)
+
+    def list_entries(self) -> list[EntryInfo]:
+        if not self.root.is_dir():
+            return []
+        return [
+            ArtifactEntry(self.root, p.name, None, self.lock_timeout_s).info()
+            for p in sorted(self.root.iterdir())
+            if p.is_dir() and _KEY_RE.fullmatch(p.name)
+        ]
+
+    def prune(
+        self, older_than_days: float | None = None, all_: bool = False, invalid_only: bool = True
+    ) -> list[EntryInfo]:
+        """Removes the entries that pass both filters and returns them.
+
+        Validity: with `invalid_only` only entries that are not ready, else any. Age: with
+        `older_than_days` only entries last used longer ago, else any. `all_` removes every entry.
+        Entries whose lock another process holds (being built) are skipped.
+        """
+        cutoff = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        removed = []
+        for info in self.list_entries():
+            if not all_:
+                if invalid_only and info.ready:
+                    continue
+                if cutoff is not None and info.last_used > cutoff:
+                    continue
+            entry = self.entry(info.key)
+            try:
+                fd = _acquire(entry.lock_path, 0.0)
+                if fd is None:
+                    logger.info("not pruning %s: another process is building it", entry.path)
+                    continue
+                try:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    entry.lock_path.unlink(missing_ok=True)  # safe: _acquire checks the inode
+                finally:
+                    _release(fd)
+            except OSError as e:
+                logger.warning("cannot prune %s: %s", entry.path, e)
+                continue
+            removed.append(info)
+        return removed
+
+
+# ---- torch.compile artifacts ------------------------------------------------------------------
+
+
+def save_compile_artifacts(writer: EntryWriter) -> bool:
+    """Stores `torch.compiler.save_cache_artifacts()` (every Inductor / AOTAutograd / autotune
+    artifact this process compiled or loaded) in the entry; False (logged) if nothing was stored.
+    """
+    if not writer.building:
+        return False
+    try:
+        result = torch.compiler.save_cache_artifacts()
+    except Exception as e:  # torch internals: a cache must never crash a run
+        logger.warning("torch.compiler.save_cache_artifacts failed: %s: %s", type(e).__name__, e)
+        return False
+    if result is None:
+        logger.warning("torch.compile produced no cache artifacts to store in %s", writer.entry.key)
+        return False
+    data, info = result
+    counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
+    logger.info("storing %d bytes of torch.compile artifacts %s", len(data), counts)
+    return writer.put(COMPILE_ARTIFACTS, data)
+
+
+def load_compile_artifacts(entry: ArtifactEntry) -> bool:
+    """Hot-loads the entry's torch.compile artifacts into torch's caches; call before compiling.
+
+    False if there are none or torch rejects them; a rejected entry is invalidated to be rebuilt.
+    """
+    data = entry.load_bytes(COMPILE_ARTIFACTS)
+    if data is None:
+        return False
+    try:
+        info = torch.compiler.load_cache_artifacts(data)
+    except Exception as e:  # torch internals: a cache must never crash a run
+        entry.invalidate(f"torch.compiler.load_cache_artifacts failed: {type(e).__name__}: {e}")
+        return False
+    if info is None:
+        entry.invalidate("torch.compiler.load_cache_artifacts could not read the artifacts")
+        return False
+    counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
+    logger.info("loaded torch.compile artifacts from %s %s", entry.key, counts)
+    return True
