@@ -251,7 +251,8 @@ class Session:
         """Takes the queued outputs of a request; forgets the request once it finished."""
         queue = self._queues.get(rid)
         if queue is None:
-            self.engine  # raises SessionClosedError once closed
+            if self._engine is None:
+                raise SessionClosedError("the session is closed")
             raise UnknownRequestError(f"request {rid!r} is no longer known to the session")
         if not queue:
             return []

@@ -1,0 +1,218 @@
+"""GPU decode speed at real model shapes: libkk vs Hugging Face transformers vs the bandwidth floor.
+
+Random bf16 weights are written as a real checkpoint folder (config.json, sharded safetensors, a
+stand-in tokenizer), so the real loader runs. Every request gets a random prompt of --prompt tokens
+and decodes --tokens tokens greedily with EOS ignored. Decode time is measured after the first
+token: libkk from the requests' timelines, transformers as generate(N + 1) minus generate(1). The
+floor is (weight bytes + KV bytes read per step) / measured device copy bandwidth.
+
+    python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    # A small shape to try the script anywhere.
+    "tiny": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=4096,
+    ),
+}
+COMMON = dict(
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu", bos_token_id=0,
+    eos_token_id=1, attention_bias=False, use_sliding_window=False,
+)
+
+
+def write_checkpoint(shape: str, path: Path, device: str) -> None:
+    """Random weights in HF names, written shard by shard so host memory stays small."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**COMMON, **SHAPES[shape]}
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*dims: int) -> torch.Tensor:
+        scale = dims[-1] ** -0.5
+        return (torch.randn(*dims, generator=gen, device=device) * scale).to(torch.bfloat16)
+
+    def layer_tensors(i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        t = {
+            p + "self_attn.q_proj.weight": rand(q * d, h),
+            p + "self_attn.k_proj.weight": rand(kv * d, h),
+            p + "self_attn.v_proj.weight": rand(kv * d, h),
+            p + "self_attn.o_proj.weight": rand(h, q * d),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+        if "num_experts" in cfg:
+            inter, experts = cfg["moe_intermediate_size"], cfg["num_experts"]
+            t[p + "mlp.gate.weight"] = rand(experts, h)
+            for e in range(experts):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = rand(inter, h)
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = rand(inter, h)
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = rand(h, inter)
+        else:
+            inter = cfg["intermediate_size"]
+            t[p + "mlp.gate_proj.weight"] = rand(inter, h)
+            t[p + "mlp.up_proj.weight"] = rand(inter, h)
+            t[p + "mlp.down_proj.weight"] = rand(h, inter)
+        return t
+
+    index: dict[str, str] = {}
+    head = {
+        "model.embed_tokens.weight": rand(cfg["vocab_size"], h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": rand(cfg["vocab_size"], h),
+    }
+    # One shard for the embedding and head, one per layer: built and written one at a time.
+    for i in range(layers + 1):
+        tensors = head if i == 0 else layer_tensors(i - 1)
+        name = f"model-{i:05d}.safetensors"
+        save_file({k: v.cpu() for k, v in tensors.items()}, path / name)
+        index.update(dict.fromkeys(tensors, name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_libkk(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:
+    from libkk import SamplingParams, Session
+
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    with Session(str(path), dtype="bfloat16", max_model_len=prompt + tokens + 16,
+                 max_num_seqs=batch, max_num_batched_tokens=max(8192, prompt),
+                 progress=False) as s:
+        ids = prompts(batch, prompt, s.engine.arch.vocab_size)
+        s.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+        steps = []
+        for _ in range(repeats):
+            outs = s.generate(ids, params)
+            steps.append(max(o.timeline.decode_time for o in outs) / tokens)
+        weights = s.engine.weights_bytes
+    return {"ms_per_step": [t * 1e3 for t in steps], "weights_bytes": weights}
+
+
+def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts(batch, prompt, model.config.vocab_size), device="cuda")
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    generate(2)
+    steps = [(generate(tokens + 1) - generate(1)) / tokens for _ in range(repeats)]
+    return {"ms_per_step": [t * 1e3 for t in steps]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--dir", default="/tmp/libkk-bench")
+    ap.add_argument("--out", default="decode.json")
+    args = ap.parse_args()
+
+    path = Path(args.dir) / args.shape
+    t0 = time.perf_counter()
+    write_checkpoint(args.shape, path, "cuda")
+    print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}")
+    bandwidth = copy_bandwidth("cuda")
+    cfg = {**COMMON, **SHAPES[args.shape]}
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    rows = []
+    for batch in args.batch:
+        kk = bench_libkk(path, batch, args.prompt, args.tokens, args.repeats)
+        # Bytes one decode step must move: every weight once (the MoE shape reads only the
+        # experts a batch routes to; counted here as all of them, an upper bound) + the KV read.
+        ctx = args.prompt + args.tokens // 2
+        floor_ms = (kk["weights_bytes"] + batch * ctx * kv_per_token) / bandwidth * 1e3
+        row = {"batch": batch, "libkk_ms": statistics.median(kk["ms_per_step"]),
+               "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
+               "floor_ms": floor_ms}
+        if not args.no_peer:
+            hf = bench_transformers(path, batch, args.prompt, args.tokens, args.repeats)
+            torch.cuda.empty_cache()
+            row["hf_ms"] = statistics.median(hf["ms_per_step"])
+            row["hf_spread"] = [min(hf["ms_per_step"]), max(hf["ms_per_step"])]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{args.shape} decode, prompt {args.prompt}, {args.tokens} tokens, "
+          f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'batch':>6}{'libkk ms':>10}{'tok/s':>9}{'HF ms':>9}{'HF tok/s':>10}"
+          f"{'floor ms':>10}{'% floor':>9}")
+    for r in rows:
+        hf = r.get("hf_ms")
+        print(f"{r['batch']:>6}{r['libkk_ms']:>10.2f}{r['batch'] * 1e3 / r['libkk_ms']:>9.0f}"
+              f"{hf if hf else float('nan'):>9.2f}"
+              f"{r['batch'] * 1e3 / hf if hf else float('nan'):>10.0f}"
+              f"{r['floor_ms']:>10.2f}{100 * r['floor_ms'] / r['libkk_ms']:>9.0f}")
+    Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows,
+                                          "bandwidth": bandwidth}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
