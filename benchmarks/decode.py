@@ -90,6 +90,7 @@ def write_checkpoint(shape: str, path: Path, device: str) -> None:
         return t
 
     index: dict[str, str] = {}
+    total_bytes = 0
     head = {
         "model.embed_tokens.weight": rand(cfg["vocab_size"], h),
         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
@@ -101,7 +102,10 @@ def write_checkpoint(shape: str, path: Path, device: str) -> None:
         name = f"model-{i:05d}.safetensors"
         save_file({k: v.cpu() for k, v in tensors.items()}, path / name)
         index.update(dict.fromkeys(tensors, name))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total_bytes}, "weight_map": index}
+    ))
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
