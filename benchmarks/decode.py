@@ -197,6 +197,7 @@ def main() -> None:
         row = {"batch": batch, "libkk_ms": statistics.median(kk["ms_per_step"]),
                "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
                "floor_ms": floor_ms}
+        print(json.dumps(row), flush=True)
         if not args.no_peer:
             hf = bench_transformers(path, batch, args.prompt, args.tokens, args.repeats)
             torch.cuda.empty_cache()
