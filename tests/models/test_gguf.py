@@ -26,13 +26,13 @@ from libkk.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from libkk.fsutil import verify_manifest
 from libkk.models import default as default_mod
 from libkk.models.default import (
     INSTALL_COMMAND,
     cached_gguf_conversion,
     default_model_path,
     libkk_cache_dir,
-    verify_manifest,
 )
 from libkk.models.gguf import convert_gguf, unpermute_qk
 from libkk.models.tokenizer import Tokenizer

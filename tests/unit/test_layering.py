@@ -23,6 +23,7 @@ RANK = {
     "kernels": 1,
     "audio": 0.5,
     "config": 0.1,
+    "fsutil": 0.1,
     "errors": 0,
 }
 # graphs/ and kernels/ live beside libkk/ and install as libkk.graphs and libkk.kernels.
