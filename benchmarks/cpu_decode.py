@@ -46,8 +46,13 @@ def transformers_runner(model_dir: str, batch: int, tokens: int):
     def generate(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=tok.eos_token_id)
+            model.generate(
+                **inputs,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
         return time.perf_counter() - start
 
     generate(4)  # warm up
@@ -71,24 +76,46 @@ def main() -> None:
     model_dir = str(default_model_path())
     rows = []
     for batch in args.batch:
-        runners = {"libkk": libkk_runner(model_dir, batch, args.tokens),
-                   "transformers": transformers_runner(model_dir, batch, args.tokens)}
+        runners = {
+            "libkk": libkk_runner(model_dir, batch, args.tokens),
+            "transformers": transformers_runner(model_dir, batch, args.tokens),
+        }
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
             for name, run in runners.items():
                 rates[name].append(run())
         for name, r in rates.items():
-            rows.append({"engine": name, "batch": batch, "median_tok_s": statistics.median(r),
-                         "min_tok_s": min(r), "max_tok_s": max(r), "runs": r})
-    print(f"CPU decode, SmolLM2-135M fp32, {args.tokens} tokens, {args.repeats} repeats, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+            rows.append(
+                {
+                    "engine": name,
+                    "batch": batch,
+                    "median_tok_s": statistics.median(r),
+                    "min_tok_s": min(r),
+                    "max_tok_s": max(r),
+                    "runs": r,
+                }
+            )
+    print(
+        f"CPU decode, SmolLM2-135M fp32, {args.tokens} tokens, {args.repeats} repeats, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    )
     print(f"{'engine':<14}{'batch':>6}{'median tok/s':>14}{'min':>9}{'max':>9}")
     for r in rows:
-        print(f"{r['engine']:<14}{r['batch']:>6}{r['median_tok_s']:>14.1f}"
-              f"{r['min_tok_s']:>9.1f}{r['max_tok_s']:>9.1f}")
+        print(
+            f"{r['engine']:<14}{r['batch']:>6}{r['median_tok_s']:>14.1f}"
+            f"{r['min_tok_s']:>9.1f}{r['max_tok_s']:>9.1f}"
+        )
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                   "torch": torch.__version__}, f, indent=2)
+        json.dump(
+            {
+                "rows": rows,
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

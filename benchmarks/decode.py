@@ -21,28 +21,57 @@ import torch
 
 SHAPES = {
     "qwen3-8b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
     ),
     "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-        decoder_sparse_step=1, mlp_only_layers=[],
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     ),
     # A small shape to try the script anywhere.
     "tiny": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256,
-        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=4096,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
     ),
 }
 COMMON = dict(
-    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu", bos_token_id=0,
-    eos_token_id=1, attention_bias=False, use_sliding_window=False,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    hidden_act="silu",
+    bos_token_id=0,
+    eos_token_id=1,
+    attention_bias=False,
+    use_sliding_window=False,
 )
 
 
@@ -103,9 +132,9 @@ def write_checkpoint(shape: str, path: Path, device: str) -> None:
         save_file({k: v.cpu() for k, v in tensors.items()}, path / name)
         index.update(dict.fromkeys(tensors, name))
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total_bytes}, "weight_map": index}
-    ))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": index})
+    )
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
@@ -135,9 +164,14 @@ def bench_libkk(path: Path, batch: int, prompt: int, tokens: int, repeats: int) 
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
-    with Session(str(path), dtype="bfloat16", max_model_len=prompt + tokens + 16,
-                 max_num_seqs=batch, max_num_batched_tokens=max(8192, prompt),
-                 progress=False) as s:
+    with Session(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=prompt + tokens + 16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, prompt),
+        progress=False,
+    ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
         s.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
         steps = []
@@ -158,8 +192,14 @@ def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=1)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=1,
+            )
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -194,9 +234,12 @@ def main() -> None:
         # experts a batch routes to; counted here as all of them, an upper bound) + the KV read.
         ctx = args.prompt + args.tokens // 2
         floor_ms = (kk["weights_bytes"] + batch * ctx * kv_per_token) / bandwidth * 1e3
-        row = {"batch": batch, "libkk_ms": statistics.median(kk["ms_per_step"]),
-               "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
-               "floor_ms": floor_ms}
+        row = {
+            "batch": batch,
+            "libkk_ms": statistics.median(kk["ms_per_step"]),
+            "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
+            "floor_ms": floor_ms,
+        }
         print(json.dumps(row), flush=True)
         if not args.no_peer:
             hf = bench_transformers(path, batch, args.prompt, args.tokens, args.repeats)
@@ -205,18 +248,25 @@ def main() -> None:
             row["hf_spread"] = [min(hf["ms_per_step"]), max(hf["ms_per_step"])]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{args.shape} decode, prompt {args.prompt}, {args.tokens} tokens, "
-          f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'batch':>6}{'libkk ms':>10}{'tok/s':>9}{'HF ms':>9}{'HF tok/s':>10}"
-          f"{'floor ms':>10}{'% floor':>9}")
+    print(
+        f"\n{args.shape} decode, prompt {args.prompt}, {args.tokens} tokens, "
+        f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'batch':>6}{'libkk ms':>10}{'tok/s':>9}{'HF ms':>9}{'HF tok/s':>10}"
+        f"{'floor ms':>10}{'% floor':>9}"
+    )
     for r in rows:
         hf = r.get("hf_ms")
-        print(f"{r['batch']:>6}{r['libkk_ms']:>10.2f}{r['batch'] * 1e3 / r['libkk_ms']:>9.0f}"
-              f"{hf if hf else float('nan'):>9.2f}"
-              f"{r['batch'] * 1e3 / hf if hf else float('nan'):>10.0f}"
-              f"{r['floor_ms']:>10.2f}{100 * r['floor_ms'] / r['libkk_ms']:>9.0f}")
-    Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows,
-                                          "bandwidth": bandwidth}, indent=2))
+        print(
+            f"{r['batch']:>6}{r['libkk_ms']:>10.2f}{r['batch'] * 1e3 / r['libkk_ms']:>9.0f}"
+            f"{hf if hf else float('nan'):>9.2f}"
+            f"{r['batch'] * 1e3 / hf if hf else float('nan'):>10.0f}"
+            f"{r['floor_ms']:>10.2f}{100 * r['floor_ms'] / r['libkk_ms']:>9.0f}"
+        )
+    Path(args.out).write_text(
+        json.dumps({"shape": args.shape, "rows": rows, "bandwidth": bandwidth}, indent=2)
+    )
 
 
 if __name__ == "__main__":

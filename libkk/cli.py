@@ -27,8 +27,15 @@ def _parse_setting(item: str) -> tuple[str, Any]:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF-layout folder or .gguf file (default model)")
     p.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
-    p.add_argument("--set", dest="settings", action="append", default=[], type=_parse_setting,
-                   metavar="KEY=VALUE", help="one engine setting, e.g. --set max_num_seqs=8")
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        type=_parse_setting,
+        metavar="KEY=VALUE",
+        help="one engine setting, e.g. --set max_num_seqs=8",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,8 +54,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -61,10 +73,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         t = output.timeline
         if args.verbose and t is not None:
-            print(f"[{len(output.token_ids)} tokens, finish={output.finish_reason}, "
-                  f"ttft={t.time_to_first_token * 1e3:.0f} ms, "
-                  f"decode {(len(output.token_ids) - 1) / max(t.decode_time or 0, 1e-9):.1f} tok/s]",
-                  file=sys.stderr)
+            print(
+                f"[{len(output.token_ids)} tokens, finish={output.finish_reason}, "
+                f"ttft={t.time_to_first_token * 1e3:.0f} ms, "
+                f"decode {(len(output.token_ids) - 1) / max(t.decode_time or 0, 1e-9):.1f} tok/s]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -137,8 +151,16 @@ def cmd_cache_list(args: argparse.Namespace) -> int:
     rows = [("KEY", "STATE", "SIZE", "CREATED", "LAST USED", "MODEL")]
     for e in entries:
         state = "ready" if e.ready else f"invalid: {e.problem}"
-        rows.append((e.key[:16], state, f"{e.size_bytes / 2**20:.1f} MiB", when(e.created),
-                     when(e.last_used), e.model or "-"))
+        rows.append(
+            (
+                e.key[:16],
+                state,
+                f"{e.size_bytes / 2**20:.1f} MiB",
+                when(e.created),
+                when(e.last_used),
+                e.model or "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
@@ -178,8 +200,10 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with Session(args.model, config=config) as session:
         device = session.engine.device
-    print(f"warmed {args.model or 'the default model'} on {device} "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(
+        f"warmed {args.model or 'the default model'} on {device} "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
@@ -208,27 +232,43 @@ def build_parser() -> argparse.ArgumentParser:
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     cache_list = cache_sub.add_parser("list", help="every entry: key, state, size, dates, model")
     cache_list.set_defaults(func=cmd_cache_list)
-    warm = cache_sub.add_parser("warm",
-                                help="load a model once so its compiled graphs land in the cache")
-    warm.add_argument("model", nargs="?", default=None,
-                      help="HF-layout folder or .gguf file (default model)")
+    warm = cache_sub.add_parser(
+        "warm", help="load a model once so its compiled graphs land in the cache"
+    )
+    warm.add_argument(
+        "model", nargs="?", default=None, help="HF-layout folder or .gguf file (default model)"
+    )
     warm.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     warm.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
-    warm.add_argument("--set", dest="settings", action="append", default=[],
-                      type=_parse_setting, metavar="KEY=VALUE", help="one engine setting")
+    warm.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        type=_parse_setting,
+        metavar="KEY=VALUE",
+        help="one engine setting",
+    )
     warm.set_defaults(func=cmd_cache_warm)
     prune = cache_sub.add_parser("prune", help="remove invalid entries (and old ones, or all)")
     prune.add_argument("--all", action="store_true", help="remove every entry")
-    prune.add_argument("--older-than", type=float, default=None, metavar="DAYS",
-                       help="also remove entries not used for this many days")
+    prune.add_argument(
+        "--older-than",
+        type=float,
+        default=None,
+        metavar="DAYS",
+        help="also remove entries not used for this many days",
+    )
     prune.set_defaults(func=cmd_cache_prune)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except LibkkError as e:

@@ -76,10 +76,19 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
         return self.max_num_scheduled_tokens or self.max_num_batched_tokens
 
 
+class CompilationConfig(msgspec.Struct, **_STRUCT):
+    # "FULL_DECODE_ONLY": uniform decode batches replay FULL CUDA graphs, the rest runs eagerly;
+    # "NONE": always eager. Only CUDA devices capture graphs.
+    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY"] = "FULL_DECODE_ONLY"
+    # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
+    cudagraph_capture_sizes: list[PositiveInt] | None = None
+
+
 class EngineConfig(msgspec.Struct, **_STRUCT):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # A request with no progress for this long is logged with its timeline.
     stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
@@ -102,7 +111,9 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
                 if isinstance(value, msgspec.Struct):
                     value = msgspec.structs.asdict(value)
                 if not isinstance(value, dict):
-                    raise ConfigError(f"setting {key!r} must be a mapping, got {type(value).__name__}")
+                    raise ConfigError(
+                        f"setting {key!r} must be a mapping, got {type(value).__name__}"
+                    )
                 tree[key].update(value)
             elif key in _FIELD_TO_SECTION:
                 tree[_FIELD_TO_SECTION[key]][key] = value
@@ -129,9 +140,13 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
         except OSError as e:
             raise ConfigError(f"cannot read config file {str(path)!r}: {e}") from None
         try:
-            data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+            data = (
+                tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+            )
         except (tomllib.TOMLDecodeError, msgspec.DecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {e}") from None
+            raise ConfigError(
+                f"config file {str(path)!r} is not valid {path.suffix[1:]}: {e}"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
         return cls.from_dict(data)
@@ -143,7 +158,12 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "compilation": CompilationConfig,
+}
 _FIELD_TO_SECTION = {f: name for name, t in _SECTIONS.items() for f in t.__struct_fields__}
 _TOP_FIELDS = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
 assert not set(_FIELD_TO_SECTION) & _TOP_FIELDS, "flat setting names must be unique"

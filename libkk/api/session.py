@@ -36,8 +36,8 @@ class Session:
         self, model: str | None = None, *, config: EngineConfig | None = None, **settings: Any
     ) -> None:
         base = config or EngineConfig()
-        self.config = base.updated(**settings) if model is None else base.updated(
-            model=model, **settings
+        self.config = (
+            base.updated(**settings) if model is None else base.updated(model=model, **settings)
         )
         self._engine: Engine | None = Engine(self.config)
         self._lock = threading.RLock()
@@ -115,7 +115,8 @@ class Session:
 
         A prompt is a string or a list of token ids."""
         single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0
+            isinstance(prompts, Sequence)
+            and len(prompts) > 0
             and all(isinstance(t, int) for t in prompts)
         )
         batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
@@ -157,7 +158,9 @@ class Session:
         results = [finals[rid] for rid in rids]
         return results[0] if single else results
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yields one output per step that produced text or tokens; `delta_text` is the new
         text (never a split UTF-8 character, never part of a stop string). Closing the iterator
         early aborts the request."""
@@ -184,8 +187,9 @@ class Session:
         **template_kwargs: Any,
     ) -> RequestOutput:
         """Renders the model's chat template (with the generation prompt) and generates."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                   **template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, **template_kwargs
+        )
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         output = self.generate(token_ids, params)
         assert isinstance(output, RequestOutput)

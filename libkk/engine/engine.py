@@ -92,7 +92,18 @@ class Engine:
             self.num_blocks, block_size, enable_caching=cache_cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            block_size,
+            self.device,
+            compilation=config.compilation,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable.
+            capturable=not self.arch.is_moe,
+            progress=config.progress,
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
@@ -186,7 +197,9 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
-            raise UnknownRequestError(f"unknown request id {request_id!r} (finished or never added)")
+            raise UnknownRequestError(
+                f"unknown request id {request_id!r} (finished or never added)"
+            )
         return self._make_output(request)
 
     @property
@@ -207,8 +220,9 @@ class Engine:
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
-            logger.warning("step failed (%s: %s); retrying its requests one by one",
-                           type(e).__name__, e)
+            logger.warning(
+                "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e
+            )
             runner_out = self._execute_isolated(sched_out, outputs)
         elapsed = time.perf_counter() - start
         for request in self.scheduler.update(sched_out, runner_out, elapsed):
@@ -224,8 +238,7 @@ class Engine:
             try:
                 result = self.runner.execute(single)
             except Exception as e:  # noqa: BLE001
-                logger.error("request %s failed: %s: %s", scheduled.request_id,
-                             type(e).__name__, e)
+                logger.error("request %s failed: %s: %s", scheduled.request_id, type(e).__name__, e)
                 request = self.scheduler.finish_request(
                     scheduled.request_id, RequestStatus.FINISHED_ERROR
                 )
@@ -294,5 +307,8 @@ class Engine:
                 self._stall_logged.add(rid)
                 logger.warning(
                     "request %s made no progress for %.1fs (status %s): %s",
-                    rid, now - last, request.status.name, request.timeline.summary(now),
+                    rid,
+                    now - last,
+                    request.status.name,
+                    request.timeline.summary(now),
                 )

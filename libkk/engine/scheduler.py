@@ -78,8 +78,10 @@ class Scheduler:
         if cfg.uncap_prefill_only_steps and (not has_decode or step_class == PREFILL):
             budget = cfg.max_num_batched_tokens
 
-        out = SchedulerOutput(kind=step_class or ("mixed" if has_decode and has_prefill else
-                                                  DECODE if has_decode else PREFILL))
+        out = SchedulerOutput(
+            kind=step_class
+            or ("mixed" if has_decode and has_prefill else DECODE if has_decode else PREFILL)
+        )
         scheduled: dict[str, int] = {}
 
         # Running requests first, oldest first; the newest are preempted when blocks run out.

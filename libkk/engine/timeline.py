@@ -51,6 +51,7 @@ class Timeline(msgspec.Struct, kw_only=True):
 
     def summary(self, now: float) -> str:
         """One line for logs: each stage relative to arrival, in milliseconds."""
+
         def rel(t: float | None) -> str:
             return "-" if t is None else f"{(t - self.arrival) * 1e3:.1f}ms"
 

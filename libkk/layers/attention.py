@@ -75,7 +75,11 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
             out[q_start:q_end] = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                q[q_start:q_end].transpose(0, 1),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=scale,
                 enable_gqa=True,
             ).transpose(0, 1)
         return out
@@ -100,18 +104,31 @@ class TorchAttentionBackend(AttentionBackend):
         keys.masked_fill_(invalid, 0.0)
         values.masked_fill_(invalid, 0.0)
         out = F.scaled_dot_product_attention(
-            q.view(num_reqs, -1, 1, q.shape[-1]), keys, values,
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+            q.view(num_reqs, -1, 1, q.shape[-1]),
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
         )  # [num_reqs, num_heads, 1, head_dim]
         return out.view(num_reqs, -1, q.shape[-1])
 
 
-_BACKEND: AttentionBackend = TorchAttentionBackend()
+_BACKENDS: dict[str, AttentionBackend] = {"cpu": TorchAttentionBackend()}
 
 
-def set_attention_backend(backend: AttentionBackend) -> None:
-    global _BACKEND
-    _BACKEND = backend
+def attention_backend(device: torch.device) -> AttentionBackend:
+    """The backend for a device type: Triton kernels on CUDA, the torch reference elsewhere."""
+    backend = _BACKENDS.get(device.type)
+    if backend is None:
+        if device.type == "cuda":
+            from libkk.layers.triton_attention import TritonAttentionBackend
+
+            backend = TritonAttentionBackend()
+        else:
+            backend = _BACKENDS["cpu"]
+        _BACKENDS[device.type] = backend
+    return backend
 
 
 class Attention(nn.Module):
@@ -123,7 +140,9 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -140,7 +159,7 @@ class Attention(nn.Module):
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
         metadata = get_forward_context().attn_metadata
         n = q.shape[0]
-        out = _BACKEND.forward(
+        out = attention_backend(q.device).forward(
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),

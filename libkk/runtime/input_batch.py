@@ -34,9 +34,7 @@ def build_input_batch(
     seq_lens = starts + query_lens
     num_tokens = int(query_start_loc[-1])
 
-    input_ids = np.fromiter(
-        (t for r in requests for t in r.token_ids), np.int64, num_tokens
-    )
+    input_ids = np.fromiter((t for r in requests for t in r.token_ids), np.int64, num_tokens)
     # Position of every token: its request's start plus its offset within the query.
     row_req = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[row_req] + starts[row_req]

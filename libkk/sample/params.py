@@ -47,8 +47,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             _check_type(name, getattr(self, name), float)
             if not math.isfinite(getattr(self, name)):
                 _bad(name, getattr(self, name), "a finite number")
@@ -102,5 +108,8 @@ def _check_type(name: str, value: Any, kind: type, optional: bool = False) -> No
     if kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok:
-        _bad(name, value, f"{'an' if kind is int else 'a'} {kind.__name__}"
-             + (" or None" if optional else ""))
+        _bad(
+            name,
+            value,
+            f"{'an' if kind is int else 'a'} {kind.__name__}" + (" or None" if optional else ""),
+        )

@@ -113,8 +113,13 @@ def test_bad_sampling_params(kwargs, field):
 
 @pytest.mark.parametrize(
     "prompt, match",
-    [("", "empty"), ([], "empty"), ([1, -3], "out of range"), ([10**9], "out of range"),
-     ([1.5, "a"], "token ids")],
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, -3], "out of range"),
+        ([10**9], "out of range"),
+        ([1.5, "a"], "token ids"),
+    ],
 )
 def test_bad_prompts(session, prompt, match):
     with pytest.raises(InvalidRequestError, match=match):

@@ -17,8 +17,9 @@ def session(default_model_dir):
 
 
 def test_capital_of_france(session):
-    out = session.generate("The capital of France is", SamplingParams(max_tokens=8,
-                                                                       temperature=0.0))
+    out = session.generate(
+        "The capital of France is", SamplingParams(max_tokens=8, temperature=0.0)
+    )
     assert out.text.startswith(" Paris"), out.text
 
 
@@ -32,8 +33,9 @@ def test_chat(session):
 
 
 def test_cli_generate(capsys, default_model_dir):
-    code = main(["generate", "The capital of France is", "--max-tokens", "4",
-                 "--set", "max_model_len=256"])
+    code = main(
+        ["generate", "The capital of France is", "--max-tokens", "4", "--set", "max_model_len=256"]
+    )
     assert code == 0
     assert capsys.readouterr().out.startswith(" Paris")
 
@@ -73,7 +75,8 @@ def test_min_tokens_holds_back_the_end_token_and_stop_token_ids_end_early(sessio
     assert eos not in held.token_ids[:19]
     # A stop token id ends the request at its first occurrence, with that id as the reason.
     first = short.token_ids[1]
-    cut = session.chat(messages, SamplingParams(max_tokens=40, temperature=0.0,
-                                                stop_token_ids=[first]))
+    cut = session.chat(
+        messages, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[first])
+    )
     assert cut.token_ids == short.token_ids[:2]
     assert cut.finish_reason == "stop" and cut.stop_reason == first

@@ -40,8 +40,9 @@ def test_stream_deltas_add_up_to_the_final_text(session):
 
 
 def test_stop_string_never_leaks(session):
-    full = session.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0.0,
-                                                                ignore_eos=True)).text
+    full = session.generate(
+        "Once upon a time", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ).text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), "the random model's text must have something to stop on"
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
@@ -103,8 +104,9 @@ def test_timeline_is_ordered(session):
 def test_logprobs(session):
     import torch
 
-    out = session.generate("Logprobs", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
-                                                      ignore_eos=True))
+    out = session.generate(
+        "Logprobs", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    )
     assert len(out.logprobs) == 4
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == token and lp.rank == 1  # greedy picks the most likely
@@ -120,8 +122,9 @@ def test_stall_is_logged(tiny_llama_dir, caplog):
         with caplog.at_level("WARNING", logger="libkk"):
             s.step()
             s.step()
-    assert any("made no progress" in r.message and "first_scheduled" in r.message
-               for r in caplog.records)
+    assert any(
+        "made no progress" in r.message and "first_scheduled" in r.message for r in caplog.records
+    )
 
 
 def test_settings_from_json_and_toml(tmp_path, tiny_llama_dir):
