@@ -1,1 +1,20 @@
-"""Triton kernels; each public op has a torch reference `<op>_ref` with the same signature."""
+"""Triton kernels; each public op has a torch reference `<op>_ref` with the same signature.
+
+Ops are torch custom ops (`torch.ops.libkk.*`) with fake impls, so torch.compile traces around
+them. They run compiled on CUDA tensors and through Triton's interpreter on CPU tensors (slow:
+for tests at small shapes).
+"""
+
+from __future__ import annotations
+
+from .attention import default_num_splits, paged_attention, paged_attention_ref
+from .kv_cache import FP8_DTYPE, store_kv, store_kv_ref
+
+__all__ = [
+    "FP8_DTYPE",
+    "default_num_splits",
+    "paged_attention",
+    "paged_attention_ref",
+    "store_kv",
+    "store_kv_ref",
+]

@@ -1,0 +1,229 @@
+"""store_kv and paged_attention against their torch references.
+
+Fresh random inputs, NaN-poisoned outputs and unused cache slots, scrambled block tables, several
+head layouts / block sizes / tile sizes, prefix hits, decode, spec-verify and mixed batches. On CPU
+the ops run in Triton's interpreter (fp32/fp16: its bf16 dot is wrong); on CUDA bf16 and FP8 join.
+"""
+
+from __future__ import annotations
+
+import libkk.kernels.attention as pa
+import pytest
+import torch
+from libkk.kernels import (
+    FP8_DTYPE,
+    paged_attention,
+    paged_attention_ref,
+    store_kv,
+    store_kv_ref,
+)
+from libkk.kernels._jit import INTERPRETED
+from paged_batch import PagedBatch, make_batch
+
+from libkk.layers.attention import TorchAttentionBackend
+from libkk.layers.triton_attention import TritonAttentionBackend
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not (ON_CUDA or INTERPRETED),
+    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
+)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# (num_heads, num_kv_heads, head_dim, block_size)
+LAYOUTS = {
+    "mha": (2, 2, 16, 4),
+    "gqa2": (4, 2, 32, 8),
+    "gqa4": (8, 2, 64, 16),
+    "gqa3-d24": (6, 2, 24, 4),
+}
+# Requests as (query_len, seq_len); seq_len - query_len positions come from the cache.
+BATCHES = {
+    "prefill": [(5, 5), (17, 17), (1, 1)],
+    "prefix-hit": [(3, 20), (9, 22), (1, 40)],
+    "decode": [(1, 1), (1, 17), (1, 40), (1, 70)],
+    "verify": [(3, 3), (3, 20), (3, 70)],
+    "mixed": [(1, 33), (12, 12), (1, 70), (4, 25)],
+}
+
+
+def _batch(batch: str, layout: str, dtype: torch.dtype, seed: int = 0, **kw) -> PagedBatch:
+    return make_batch(BATCHES[batch], *LAYOUTS[layout], dtype=dtype, device=DEVICE, seed=seed, **kw)
+
+
+def _check_attention(b: PagedBatch, tol: float, **kw) -> torch.Tensor:
+    # New rows go in first, as the backends do; the reference store keeps both paths' caches equal.
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    out = torch.full_like(b.q, float("nan"))
+    got = paged_attention(*b.attention_args(), out=out, **kw)
+    assert got is out
+    want = paged_attention_ref(*b.attention_args())
+    n = b.num_real_tokens
+    torch.testing.assert_close(out[:n].float(), want[:n].float(), atol=tol, rtol=tol)
+    return out
+
+
+@pytest.fixture
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-wide tiles: several q blocks per request and several KV tiles per sequence."""
+    monkeypatch.setattr(pa, "VARLEN_BLOCK_M", 16)
+    monkeypatch.setattr(pa, "VARLEN_BLOCK_N", 16)
+    monkeypatch.setattr(pa, "DECODE_BLOCK_N", 16)
+
+
+# --- store_kv ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["mha", "gqa4", "gqa3-d24"])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(d, d) for d in DTYPES] + ([(torch.bfloat16, FP8_DTYPE)] if ON_CUDA else []),
+)
+def test_store_kv_matches_reference(layout, dtype, cache_dtype):
+    b = _batch("mixed", layout, dtype, cache_dtype=cache_dtype, num_pad_rows=4, k_scale=0.02,
+               v_scale=3.0)  # fmt: skip
+    # Large keys saturate in FP8 (|x / 0.02| > 448), small values underflow: both clamp paths.
+    k = b.k * 20
+    want = b.kv_cache.clone()
+    store_kv_ref(k, b.v, want, b.slot_mapping, b.k_scale, b.v_scale)
+    store_kv(k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    assert torch.equal(b.kv_cache.view(torch.uint8), want.view(torch.uint8))
+    # Padded rows (null block, -1) wrote nothing: the null block is still all NaN.
+    assert b.kv_cache[:, 0].float().isnan().all()
+    assert (
+        not b.kv_cache.view(2, -1, *b.kv_cache.shape[3:])[:, b.slot_mapping[:-4]]
+        .float()
+        .isnan()
+        .any()
+    )
+
+
+def test_store_kv_empty_and_bad_shapes():
+    b = _batch("decode", "gqa2", torch.float32)
+    before = b.kv_cache.clone()
+    store_kv(b.k[:0], b.v[:0], b.kv_cache, b.slot_mapping[:0], b.k_scale, b.v_scale)
+    assert torch.equal(b.kv_cache.view(torch.uint8), before.view(torch.uint8))
+    with pytest.raises(ValueError, match="num_tokens, num_kv_heads, head_dim"):
+        store_kv(b.k[:, :1], b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+
+
+# --- paged_attention ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_matches_reference(batch, layout, dtype):
+    _check_attention(_batch(batch, layout, dtype, seed=1), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("layout", ["mha", "gqa4", "gqa3-d24"])
+def test_paged_attention_small_tiles(small_tiles, batch, layout):
+    _check_attention(_batch(batch, layout, torch.float32, seed=2), TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("batch", ["decode", "verify"])
+def test_decode_splits(small_tiles, batch, num_splits):
+    # 64 splits of 16-key tiles leave most splits empty for every sequence here.
+    _check_attention(_batch(batch, "gqa4", torch.float32, seed=3), 2e-5, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("batch", ["decode", "verify"])
+def test_uniform_batch_through_varlen_path(monkeypatch, batch):
+    monkeypatch.setattr(pa, "DECODE_MAX_ROWS", 0)
+    _check_attention(_batch(batch, "gqa2", torch.float32, seed=4), 2e-5)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_fp8_cache(batch):
+    """FP8 caches dequantize on load: scores take k_scale, outputs v_scale."""
+    b = _batch(batch, "gqa4", torch.float32, seed=5, cache_dtype=FP8_DTYPE, k_scale=0.05,
+               v_scale=0.2)  # fmt: skip
+    _check_attention(b, 2e-5, num_splits=3)
+
+
+def test_padding_rows_and_empty_requests():
+    """Rows past the last request stay as they were; query_len 0 requests own no rows."""
+    requests = [(2, 9), (0, 5), (3, 3), (0, 0)]
+    b = make_batch(requests, *LAYOUTS["gqa2"], device=DEVICE, seed=6, num_pad_rows=3)
+    out = _check_attention(b, 2e-5)
+    assert out[b.num_real_tokens :].isnan().all()
+
+
+def test_paged_attention_rejects_bad_shapes():
+    b = _batch("decode", "gqa2", torch.float32)
+    with pytest.raises(ValueError, match="multiple of"):
+        paged_attention(b.q[:, :3], *b.attention_args()[1:])
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention(b.q, b.kv_cache[:, :, :2], *b.attention_args()[2:])
+
+
+# --- custom ops and the backend ---------------------------------------------------------------
+
+
+def test_ops_pass_opcheck():
+    b = _batch("mixed", "gqa2", torch.float32, num_pad_rows=2)
+    torch.library.opcheck(
+        torch.ops.libkk.store_kv.default,
+        (b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale),
+    )
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    args = b.attention_args()
+    out = torch.zeros_like(b.q)
+    torch.library.opcheck(torch.ops.libkk.paged_attention.default, (*args[:5], out, *args[5:], 0))
+
+
+def test_ops_trace_under_torch_compile():
+    b = _batch("mixed", "gqa2", torch.float32)
+
+    def step(q, k, v, kv_cache):
+        store_kv(k, v, kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+        return paged_attention(q, kv_cache, *b.attention_args()[2:]) * 2
+
+    cache = b.kv_cache.clone()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(b.q, b.k, b.v, b.kv_cache)
+    want = step(b.q, b.k, b.v, cache)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got[:n], want[:n], atol=0, rtol=0)
+
+
+def test_triton_backend_matches_torch_backend_over_steps():
+    """Prefill, then a mixed step, then decode: same outputs as the torch reference backend."""
+    triton_be, torch_be = TritonAttentionBackend(), TorchAttentionBackend()
+    layout = LAYOUTS["gqa2"]
+    # One cache and one block table for the whole run, sized for the final lengths.
+    final = make_batch([(9, 9), (15, 15)], *layout, device=DEVICE, seed=7)
+    page = final.kv_cache.shape[2]
+    table = final.block_table.tolist()
+    cache_triton, cache_torch = final.kv_cache, final.kv_cache.clone()
+    steps = [[(6, 6), (9, 9)], [(1, 7), (5, 14)], [(2, 9), (1, 15)]]
+    for i, requests in enumerate(steps):
+        step = make_batch(requests, *layout, device=DEVICE, seed=10 + i)
+        step.block_table = final.block_table
+        step.slot_mapping = torch.tensor(
+            [table[r][p // page] * page + p % page for r, (q, s) in enumerate(requests)
+             for p in range(s - q, s)],
+            dtype=torch.int64, device=DEVICE,
+        )  # fmt: skip
+        meta = step.metadata()
+        got = triton_be.forward(step.q, step.k, step.v, cache_triton, meta, step.scale)
+        want = torch_be.forward(step.q, step.k, step.v, cache_torch, meta, step.scale)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kv_scales_update_in_place():
+    backend = TritonAttentionBackend()
+    k_scale, v_scale = backend.scale_tensors(torch.device(DEVICE))
+    assert backend.kv_scales == (1.0, 1.0) and k_scale.item() == 1.0
+    backend.set_kv_scales(0.5, 2.0)
+    assert backend.scale_tensors(torch.device(DEVICE)) == (k_scale, v_scale)
+    assert (k_scale.item(), v_scale.item()) == (0.5, 2.0)
+    with pytest.raises(ValueError, match="k_scale"):
+        backend.set_kv_scales(0.0, 1.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        backend.set_kv_scales(1.0, float("nan"))
