@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.layers.linear import new_param
+from libkk.layers.linear import linear, new_param
 
 
 class VocabEmbedding(nn.Module):
@@ -41,7 +41,7 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         # NOTE: the matmul runs in the model dtype (as HF's lm_head does); only the result is
         # widened, so bf16 logits round the same way as the reference.
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, tied={self.tied}"

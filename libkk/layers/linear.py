@@ -49,6 +49,20 @@ def default_weight_loader(
     param.data.copy_(loaded)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), as F.linear computes it, but faster for the few rows of a CPU decode step.
+
+    NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
+    more; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
+    fp32 shapes on a 2-core machine. One row is doubled so it takes the gemm path too.
+    """
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    rows = x if x.shape[0] > 1 else torch.cat([x, x])
+    out = torch.mm(weight, rows.t()).t()[: x.shape[0]].contiguous()  # [num_tokens, out]
+    return out if bias is None else out + bias
+
+
 def new_param(
     *shape: int, loader: WeightLoader | None = None, shard_ids: frozenset = WHOLE
 ) -> nn.Parameter:
@@ -70,7 +84,7 @@ class Linear(nn.Module):
         self.bias = new_param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
