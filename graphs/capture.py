@@ -10,10 +10,9 @@ graphs' life.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
@@ -37,7 +36,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: nn.Module,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         capture_sizes: Sequence[int],
         max_blocks_per_seq: int,
@@ -46,7 +45,7 @@ class DecodeGraphs:
     ) -> None:
         if not capture_sizes:
             raise ValueError("capture_sizes is empty")
-        self.model = model
+        self.forward = forward  # model.forward(input_ids, positions), compiled or not
         self.sizes = sorted(set(capture_sizes))
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
@@ -90,11 +89,11 @@ class DecodeGraphs:
             ids, pos = self.input_ids[:size], self.positions[:size]
             with set_forward_context(metadata):
                 for _ in range(2):  # compiles the kernels and settles allocations
-                    self.model(ids, pos)
+                    self.forward(ids, pos)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[size] = self.model(ids, pos)
+                    self.outputs[size] = self.forward(ids, pos)
             self.graphs[size] = graph
         torch.cuda.synchronize()
 

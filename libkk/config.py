@@ -82,6 +82,9 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY"] = "FULL_DECODE_ONLY"
     # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
     cudagraph_capture_sizes: list[PositiveInt] | None = None
+    # On CUDA, compile the model with torch.compile, split at attention (Inductor fuses the
+    # norms, rotary, activations and residual adds between attention calls).
+    torch_compile: bool = True
 
 
 class EngineConfig(msgspec.Struct, **_STRUCT):

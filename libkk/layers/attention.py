@@ -149,6 +149,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
 
+    # NOTE: attention is where torch.compile splits the model: it reads the step's metadata from
+    # the forward context and runs opaque kernels; everything between two attention calls is
+    # compiled (and fused) as one piece.
+    @torch.compiler.disable
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from chi2 import chi2_critical
 
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
@@ -19,22 +20,6 @@ from libkk.sample.sampler import (
     apply_penalties,
     top_k_top_p,
 )
-
-# Statistical tests use fixed seeds, so they are deterministic; the bounds are at significance
-# ALPHA = 1e-3 (a correct sampler fails one of them with probability 0.1% for a given seed choice).
-ALPHA = 1e-3
-
-
-def chi2_critical(dof: int, alpha: float = ALPHA) -> float:
-    """Upper alpha quantile of chi-square(dof): scipy if installed, else Wilson-Hilferty."""
-    try:
-        from scipy.stats import chi2
-    except ImportError:
-        z = 3.0902323  # upper 1e-3 quantile of N(0, 1)
-        assert alpha == 1e-3
-        a = 2.0 / (9.0 * dof)
-        return dof * (1.0 - a + z * math.sqrt(a)) ** 3
-    return float(chi2.ppf(1.0 - alpha, dof))
 
 
 def row(
