@@ -139,15 +139,15 @@ def test_failing_request_fails_alone(session, monkeypatch):
     prompts = ["alpha beta", "gamma delta", "epsilon"]
     expected = [o.token_ids for o in session.generate(prompts, GREEDY)]
     poison = 42
-    model = session.engine.model
-    real_forward = model.forward
+    runner = session.engine.runner
+    real_forward = runner.forward
 
     def forward(input_ids, positions):
         if (input_ids == poison).any():
             raise RuntimeError("poisoned input")
         return real_forward(input_ids, positions)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(runner, "forward", forward)
     outs = session.generate([prompts[0], [poison, 7, 8], prompts[1], prompts[2]], GREEDY)
     assert outs[1].finish_reason == "error" and "poisoned input" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids, outs[3].token_ids] == expected
