@@ -80,3 +80,16 @@ def test_min_tokens_holds_back_the_end_token_and_stop_token_ids_end_early(sessio
     )
     assert cut.token_ids == short.token_ids[:2]
     assert cut.finish_reason == "stop" and cut.stop_reason == first
+
+
+def test_python_example_runs(default_model_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=600, check=True
+    )
+    assert done.stdout.startswith("stream:  Paris")
+    assert "chat:" in done.stdout
