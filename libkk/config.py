@@ -42,7 +42,8 @@ class CacheConfig(msgspec.Struct, **_STRUCT):
     # A fixed KV budget in bytes; overrides gpu_memory_utilization.
     kv_cache_memory_bytes: PositiveInt | None = None
     enable_prefix_caching: bool = True
-    kv_cache_dtype: Literal["auto"] = "auto"
+    # "auto": the model dtype; "fp8": float8_e4m3fn with k/v scales 1.0 (half of bf16's bytes).
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 
 
 class SchedulerConfig(msgspec.Struct, **_STRUCT):

@@ -65,8 +65,13 @@ class Engine:
         self.max_model_len = self._resolve_max_model_len()
         cache_cfg = config.cache
         block_size = cache_cfg.block_size
+        self.kv_dtype = torch.float8_e4m3fn if cache_cfg.kv_cache_dtype == "fp8" else self.dtype
         bytes_per_block = kv_cache_bytes_per_block(
-            self.arch.num_layers, block_size, self.arch.num_kv_heads, self.arch.head_dim, self.dtype
+            self.arch.num_layers,
+            block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.kv_dtype,
         )
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         blocks_per_seq = -(-self.max_model_len // block_size)
@@ -85,7 +90,7 @@ class Engine:
             block_size,
             self.arch.num_kv_heads,
             self.arch.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.kv_cache_manager = KVCacheManager(

@@ -37,12 +37,31 @@ class AttentionBackend(abc.ABC):
         ...
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Writes new keys/values into the paged cache at flat slot indices."""
+    """Writes new keys/values into the paged cache at flat slot indices.
+
+    An FP8 cache stores values with scale 1.0, saturated at the format's range (as the Triton
+    store does); its bytes are copied through uint8 views, since CPU index ops have no fp8 kernels.
+    """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] along dim 0 (one of K or V: [num_blocks, block_size, heads, head_dim])."""
+    if cache.element_size() == 1:  # fp8: gather the bytes, as in store_kv
+        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
+    return cache.index_select(0, blocks)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -66,8 +85,8 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
             # [num_kv_heads, seq_len, head_dim]
-            keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
-            values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+            keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[:seq_len]
+            values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[:seq_len]
             keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
             mask = None  # a single query sees its whole context
             if query_len > 1:
@@ -91,8 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
         blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
         # [num_reqs, num_kv_heads, max_blocks * block_size, head_dim]
         shape = (num_reqs, -1, *kv_cache.shape[3:])  # [num_reqs, max_len, num_kv_heads, D]
-        keys = kv_cache[0].index_select(0, blocks.flatten()).view(shape)
-        values = kv_cache[1].index_select(0, blocks.flatten()).view(shape)
+        keys = gather_blocks(kv_cache[0], blocks.flatten()).view(shape)
+        values = gather_blocks(kv_cache[1], blocks.flatten()).view(shape)
         keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
         # Slots past each request's length hold whatever was there (maybe NaN, and masked
         # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.

@@ -38,7 +38,7 @@ def tiny_qwen3_dir(tmp_path_factory):
     return path
 
 
-def _generate(path, prompts, mode, compile_=False):
+def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto"):
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -50,6 +50,7 @@ def _generate(path, prompts, mode, compile_=False):
         max_model_len=512,
         cudagraph_mode=mode,
         torch_compile=compile_,
+        kv_cache_dtype=kv_cache_dtype,
         progress=False,
     ) as s:
         if mode != "NONE":
@@ -76,3 +77,11 @@ def test_compiled_graphs_equal_eager(tiny_qwen3_dir):
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (5, 77, 160)]
     eager = _generate(tiny_qwen3_dir, prompts, "NONE")
     assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", compile_=True) == eager
+
+
+def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):
+    """An FP8 cache through the Triton store and attention: replay and eager read the same bytes."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (9, 100)]
+    eager = _generate(tiny_qwen3_dir, prompts, "NONE", kv_cache_dtype="fp8")
+    assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", kv_cache_dtype="fp8") == eager
