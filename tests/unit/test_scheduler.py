@@ -213,3 +213,25 @@ def test_finish_request_frees_blocks():
     s.finish_request(a.request_id, RequestStatus.FINISHED_ABORTED)
     assert s.kv_cache.num_free_blocks == 31
     assert s.num_unfinished == 0 and not s.running
+
+
+def test_abort_waiting_and_preempted_requests():
+    s = make_scheduler(num_blocks=11, max_num_batched_tokens=64, max_num_seqs=3)
+    running = [make_request(8, max_tokens=8, first_token=100 * i) for i in range(3)]
+    waiting = make_request(8, first_token=900)
+    for r in [*running, waiting]:
+        s.add_request(r)
+    s.update(out := s.schedule(), fake_run(out), 1.0)
+    assert waiting.status == RequestStatus.WAITING  # max_num_seqs holds it back
+    s.finish_request(waiting.request_id, RequestStatus.FINISHED_ABORTED)
+    assert waiting not in s.waiting and waiting.finished
+    # Grow until the pool forces a preemption, then abort the preempted request.
+    for _ in range(20):
+        if any(r.status == RequestStatus.PREEMPTED for r in running):
+            break
+        s.update(out := s.schedule(), fake_run(out), 1.0)
+    victim = next(r for r in running if r.status == RequestStatus.PREEMPTED)
+    s.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED)
+    assert victim not in s.waiting and s.num_unfinished == 2
+    run_to_completion(s)
+    assert s.kv_cache.num_free_blocks == 10
