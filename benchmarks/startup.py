@@ -1,0 +1,105 @@
+"""Start-up time: a fresh process to its first generated token, with cold and with warm caches.
+
+Cold: every cache libkk reads starts empty (libkk's own cache dir with the model conversion and the
+compiled-graph artifacts, Inductor's and Triton's caches). Warm: a second fresh process reusing
+them. The peer is transformers loading the same (converted) folder in a fresh process. Each case
+runs in its own subprocess and reports wall time from interpreter start to the first token.
+
+    python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LIBKK_CHILD = """
+import time, sys
+t0 = float(sys.argv[1])
+import libkk
+with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=False) as s:
+    s.generate("The capital of France is", libkk.SamplingParams(max_tokens=1, temperature=0.0))
+print(time.time() - t0)
+"""
+
+HF_CHILD = """
+import time, sys
+t0 = float(sys.argv[1])
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+device = {device!r} if {device!r} != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+tok = AutoTokenizer.from_pretrained({model!r})
+model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=dtype).to(device).eval()
+ids = tok("The capital of France is", return_tensors="pt").to(device)
+with torch.inference_mode():
+    model.generate(**ids, max_new_tokens=1, do_sample=False)
+print(time.time() - t0)
+"""
+
+
+def run_child(code: str, env: dict[str, str]) -> float:
+    start = time.time()
+    done = subprocess.run(
+        [sys.executable, "-c", code, repr(start)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "LIBKK_CACHE_DIR": str(root / "libkk"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the default model)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="startup.json")
+    args = ap.parse_args()
+
+    from libkk.models.default import default_model_path
+
+    # transformers needs a folder; for the default model that is libkk's converted one.
+    hf_model = args.model if args.model else str(default_model_path(progress=False))
+    results: dict[str, list[float]] = {"libkk cold": [], "libkk warm": [], "transformers": []}
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = cache_env(Path(tmp))
+            code = LIBKK_CHILD.format(model=args.model, device=args.device)
+            results["libkk cold"].append(run_child(code, env))
+            results["libkk warm"].append(run_child(code, env))
+        code = HF_CHILD.format(model=hf_model, device=args.device)
+        results["transformers"].append(run_child(code, dict(os.environ, HF_HUB_OFFLINE="1")))
+
+    print(
+        f"start-up to first token, {args.model or 'default model'}, device {args.device}, "
+        f"{args.repeats} repeats"
+    )
+    print(f"{'case':<14}{'median s':>10}{'min':>8}{'max':>8}")
+    for name, times in results.items():
+        print(f"{name:<14}{statistics.median(times):>10.2f}{min(times):>8.2f}{max(times):>8.2f}")
+    cold, warm = (statistics.median(results[k]) for k in ("libkk cold", "libkk warm"))
+    print(f"warm / cold: {warm / cold:.0%}")
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
