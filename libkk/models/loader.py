@@ -21,9 +21,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from libkk.errors import CorruptCheckpointError, ModelNotFoundError
+from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
+from libkk.quant.checkpoint import QUANT_CONFIG, dequantize_stream
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,12 @@ def load_model(
     with tqdm(
         total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress
     ) as bar:
+        tensors = _iter_tensors(shards, current, bar)
+        quant = _read_quant_config(model_dir)
+        if quant is not None:  # 4-bit experts: dequantized as they are read
+            tensors = dequantize_stream(tensors, quant, dtype)
         try:
-            loaded = model.load_weights(_iter_tensors(shards, current, bar))
+            loaded = model.load_weights(tensors)
         except CorruptCheckpointError as e:
             if current and str(current[0]) not in str(e):
                 raise CorruptCheckpointError(f"{e} (in {current[0]})") from None
@@ -83,6 +88,22 @@ def load_model(
             f"{listed}{more}{hint}"
         )
     return model, config
+
+
+def _read_quant_config(model_dir: Path) -> dict | None:
+    path = model_dir / QUANT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    if str(config.get("quant_algo", "")).upper() not in ("NVFP4", "MXFP4"):
+        raise UnsupportedModelError(
+            f"{str(path)!r}: quant_algo {config.get('quant_algo')!r} is not supported "
+            "(supported: NVFP4, MXFP4)"
+        )
+    return config
 
 
 def read_arch_config(model_dir: Path) -> ArchConfig:

@@ -1,0 +1,116 @@
+"""`libkk quantize`: 4-bit expert weights written to a checkpoint and loaded back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from libkk.errors import CorruptCheckpointError
+from libkk.models.loader import load_model
+from libkk.models.quantize import quantize_checkpoint
+from libkk.quant.checkpoint import QUANT_CONFIG
+from libkk.quant.formats import dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_nvfp4
+
+FORMATS = ("nvfp4", "mxfp4", "nvfp4-csf", "mxfp4-csf")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-moe")
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe_dir):
+    model, _ = load_model(tiny_moe_dir, torch.float32, torch.device("cpu"), progress=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_moe_dir, tmp_path_factory):
+    out = {}
+    for fmt in FORMATS:
+        dst = tmp_path_factory.mktemp(fmt)
+        report = quantize_checkpoint(tiny_moe_dir, dst / "q", fmt, progress=False)
+        model, _ = load_model(dst / "q", torch.float32, torch.device("cpu"), progress=False)
+        out[fmt] = (dst / "q", report, {n: p.detach() for n, p in model.named_parameters()})
+    return out
+
+
+def _fake_quant(w: torch.Tensor, algo: str) -> torch.Tensor:
+    if algo == "nvfp4":
+        return dequantize_nvfp4(quantize_nvfp4(w))
+    return dequantize_mxfp4(quantize_mxfp4(w))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loaded_experts_are_the_dequantized_weights(fmt, quantized, reference):
+    path, report, params = quantized[fmt]
+    assert json.loads((path / QUANT_CONFIG).read_text())["csf"] == fmt.endswith("csf")
+    assert report.num_quantized == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    assert report.dst_bytes < report.src_bytes
+    algo = fmt.split("-")[0]
+    experts = [n for n in params if ".experts." in n]
+    assert experts
+    for name, value in params.items():
+        if name in experts:
+            # Stacked [E, rows, K]: each expert's rows were quantized as their own tensors.
+            ref = reference[name]
+            assert not torch.equal(value, ref)  # really quantized
+            if name.endswith("w2_weight"):
+                expected = torch.stack([_fake_quant(w, algo) for w in ref])
+            else:  # w13: gate rows then up rows, quantized separately
+                half = ref.shape[1] // 2
+                expected = torch.stack(
+                    [torch.cat([_fake_quant(w[:half], algo), _fake_quant(w[half:], algo)])
+                     for w in ref]
+                )  # fmt: skip
+            torch.testing.assert_close(value, expected, rtol=0, atol=0)
+        else:
+            assert torch.equal(value, reference[name]), name
+
+
+@pytest.mark.parametrize("algo", ["nvfp4", "mxfp4"])
+def test_csf_checkpoint_loads_bit_identical_weights(algo, quantized):
+    plain, csf = quantized[algo][2], quantized[f"{algo}-csf"][2]
+    assert plain.keys() == csf.keys()
+    assert all(torch.equal(plain[n], csf[n]) for n in plain)
+    report = quantized[f"{algo}-csf"][1]
+    assert report.scale_bytes == quantized[algo][1].stored_scale_bytes
+
+
+def test_bad_format_and_nonempty_destination(tiny_moe_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown format"):
+        quantize_checkpoint(tiny_moe_dir, tmp_path / "x", "int3")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        quantize_checkpoint(tiny_moe_dir, tmp_path / "full", "nvfp4")
+
+
+def test_a_missing_scale_is_a_corrupt_checkpoint(quantized, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = quantized["mxfp4"][0]
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    weights = broken / "model.safetensors"
+    tensors = load_file(weights)
+    victim = next(n for n in tensors if n.endswith(".weight_scale"))
+    del tensors[victim]
+    save_file(tensors, weights)
+    with pytest.raises(CorruptCheckpointError, match="missing parts"):
+        load_model(broken, torch.float32, torch.device("cpu"), progress=False)
