@@ -1,4 +1,4 @@
-"""The `libkk` command: generate, chat, info."""
+"""The `libkk` command: generate, chat, info, cache, tables."""
 
 from __future__ import annotations
 
@@ -207,6 +207,38 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    from libkk.cache.host_tables import default_root, list_tables
+
+    root = default_root()
+    entries = list_tables(root)
+    if not entries:
+        print(f"no shared host tables in {root}")
+        return 0
+    for e in entries:
+        if e.ready:
+            shape = "x".join(map(str, e.shape or ()))
+            what = f"ready  {e.name}  {shape} {e.dtype}"
+        else:
+            what = f"invalid: {e.problem}"
+        print(f"{e.key[:16]}  {e.size_bytes / 2**20:8.1f} MiB  {what}")
+    total = sum(e.size_bytes for e in entries) / 2**20
+    print(f"{len(entries)} entries, {total:.1f} MiB in {root}")
+    return 0
+
+
+def cmd_tables_prune(args: argparse.Namespace) -> int:
+    from libkk.cache.host_tables import default_root, prune_tables
+
+    root = default_root()
+    removed = prune_tables(root, all_=args.all)
+    for e in removed:
+        print(f"removed {e.key[:16]}  {'ready' if e.ready else 'invalid'}  {e.name or '-'}")
+    freed = sum(e.size_bytes for e in removed) / 2**20
+    print(f"removed {len(removed)} entries, {freed:.1f} MiB from {root}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -260,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also remove entries not used for this many days",
     )
     prune.set_defaults(func=cmd_cache_prune)
+
+    tables = sub.add_parser(
+        "tables", help="shared host tables ($LIBKK_SHM_DIR or /dev/shm/libkk): list, prune"
+    )
+    tables_sub = tables.add_subparsers(dest="tables_command", required=True)
+    tables_list = tables_sub.add_parser("list", help="every entry: key, size, state, tensor")
+    tables_list.set_defaults(func=cmd_tables_list)
+    tables_prune = tables_sub.add_parser(
+        "prune", help="remove invalid entries (or all; processes mapping one keep their pages)"
+    )
+    tables_prune.add_argument("--all", action="store_true", help="remove every entry")
+    tables_prune.set_defaults(func=cmd_tables_prune)
     return parser
 
 

@@ -31,6 +31,9 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # None: the checkpoint's max_position_embeddings.
     max_model_len: PositiveInt | None = None
+    # Map the embedding matrix from one shared copy per host (/dev/shm/libkk, or $LIBKK_SHM_DIR)
+    # instead of a private copy per process; CPU only.
+    shared_host_tables: bool = False
 
 
 class CacheConfig(msgspec.Struct, **_STRUCT):

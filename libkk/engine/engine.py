@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from libkk.cache.host_tables import share_embedding
 from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_cache_bytes_per_block
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.config import EngineConfig
@@ -62,6 +63,8 @@ class Engine:
         self.model, self.arch = load_model(
             self.model_dir, self.dtype, self.device, progress=config.progress
         )
+        if config.model.shared_host_tables:
+            share_embedding(self.model, self.model_dir, self.device)
         self.max_model_len = self._resolve_max_model_len()
         cache_cfg = config.cache
         block_size = cache_cfg.block_size

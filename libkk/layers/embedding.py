@@ -19,6 +19,20 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return F.embedding(input_ids, self.weight)
 
+    def use_table(self, table: torch.Tensor) -> None:
+        """Serves the embedding from `table` (e.g. a read-only shared mapping), freeing the loaded
+        copy. The Parameter object stays: a head tied to it reads the same table, and
+        `parameters()`, `named_parameters()` and byte counts see it as before."""
+        weight = self.weight
+        if table.shape != weight.shape or table.dtype != weight.dtype:
+            raise ValueError(
+                f"embedding table is {tuple(table.shape)} {table.dtype}, "
+                f"expected {tuple(weight.shape)} {weight.dtype}"
+            )
+        if table.device != weight.device:
+            raise ValueError(f"embedding table is on {table.device}, expected {weight.device}")
+        weight.data = table
+
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}"
 
