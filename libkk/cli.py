@@ -10,6 +10,7 @@ from typing import Any
 
 from libkk.config import EngineConfig
 from libkk.errors import LibkkError
+from libkk.quant.checkpoint import FORMATS
 from libkk.sample.params import SamplingParams
 
 
@@ -24,8 +25,12 @@ def _parse_setting(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF-layout folder or .gguf file (default model)")
+def _add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    model_help = "HF-layout folder or .gguf file (default model)"
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help=model_help)
+    else:
+        p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
     p.add_argument(
         "--set",
@@ -192,13 +197,13 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     from libkk.api.session import Session
 
     # NOTE: compile and capture happen when an engine with graphs loads the model, so warming is
-    # loading it once; the engine stores the artifacts in the cache.
-    config = EngineConfig.from_file(args.config) if args.config else EngineConfig()
-    config = config.updated(**dict(args.settings))
+    # loading it once. Today that fills torch's own Inductor and Triton caches; storing the
+    # compiled artifacts in libkk's artifact cache is not wired into the engine yet.
+    config = _engine_config(args)
     if args.device is not None:
         config = config.updated(device=args.device)
     start = time.perf_counter()
-    with Session(args.model, config=config) as session:
+    with Session(config=config) as session:
         device = session.engine.device
     print(
         f"warmed {args.model or 'the default model'} on {device} "
@@ -239,6 +244,23 @@ def cmd_tables_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from libkk.models.quantize import quantize_checkpoint
+
+    try:
+        report = quantize_checkpoint(args.src, args.dst, args.format)
+    except (ValueError, FileExistsError) as e:
+        print(f"libkk: error: {e}", file=sys.stderr)
+        return 2
+    mib = 2**20
+    print(
+        f"{report.num_quantized} expert weights as {args.format}: "
+        f"{report.src_bytes / mib:.1f} MiB -> {report.dst_bytes / mib:.1f} MiB; block scales "
+        f"{report.scale_bytes / mib:.2f} MiB stored as {report.stored_scale_bytes / mib:.2f} MiB"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -267,20 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm = cache_sub.add_parser(
         "warm", help="load a model once so its compiled graphs land in the cache"
     )
-    warm.add_argument(
-        "model", nargs="?", default=None, help="HF-layout folder or .gguf file (default model)"
-    )
+    _add_engine_args(warm, model_positional=True)
     warm.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    warm.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
-    warm.add_argument(
-        "--set",
-        dest="settings",
-        action="append",
-        default=[],
-        type=_parse_setting,
-        metavar="KEY=VALUE",
-        help="one engine setting",
-    )
     warm.set_defaults(func=cmd_cache_warm)
     prune = cache_sub.add_parser("prune", help="remove invalid entries (and old ones, or all)")
     prune.add_argument("--all", action="store_true", help="remove every entry")
@@ -292,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also remove entries not used for this many days",
     )
     prune.set_defaults(func=cmd_cache_prune)
+
+    quantize = sub.add_parser("quantize", help="copy a checkpoint with its experts in 4 bits")
+    quantize.add_argument("src", help="HF-layout folder")
+    quantize.add_argument("dst", help="new folder to write")
+    quantize.add_argument("--format", required=True, choices=FORMATS)
+    quantize.set_defaults(func=cmd_quantize)
 
     tables = sub.add_parser(
         "tables", help="shared host tables ($LIBKK_SHM_DIR or /dev/shm/libkk): list, prune"

@@ -114,3 +114,13 @@ def test_a_missing_scale_is_a_corrupt_checkpoint(quantized, tmp_path):
     save_file(tensors, weights)
     with pytest.raises(CorruptCheckpointError, match="missing parts"):
         load_model(broken, torch.float32, torch.device("cpu"), progress=False)
+
+
+def test_cli_quantize(tiny_moe_dir, tmp_path, capsys):
+    from libkk.cli import main
+
+    assert main(["quantize", str(tiny_moe_dir), str(tmp_path / "q"), "--format", "mxfp4-csf"]) == 0
+    assert "24 expert weights as mxfp4-csf" in capsys.readouterr().out
+    assert (tmp_path / "q" / QUANT_CONFIG).exists()
+    assert main(["quantize", str(tiny_moe_dir), str(tmp_path / "q"), "--format", "nvfp4"]) == 2
+    assert "not empty" in capsys.readouterr().err

@@ -501,8 +501,12 @@ def test_cli_warm_loads_the_model_through_a_session(
     seen = {}
 
     class FakeSession:
-        def __init__(self, model, *, config):
-            seen.update(model=model, device=config.device, seqs=config.scheduler.max_num_seqs)
+        def __init__(self, model=None, *, config):
+            seen.update(
+                model=model or config.model.model,
+                device=config.device,
+                seqs=config.scheduler.max_num_seqs,
+            )
             self.engine = type("E", (), {"device": torch.device("cpu")})()
 
         def __enter__(self):
