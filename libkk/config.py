@@ -34,6 +34,9 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     # Map the embedding matrix from one shared copy per host (/dev/shm/libkk, or $LIBKK_SHM_DIR)
     # instead of a private copy per process; CPU only.
     shared_host_tables: bool = False
+    # Quantize the experts of a full-precision MoE checkpoint on load (the weights a
+    # `libkk quantize --format` checkpoint would load); None keeps the checkpoint's own format.
+    moe_weight_format: Literal["nvfp4", "mxfp4"] | None = None
 
 
 class CacheConfig(msgspec.Struct, **_STRUCT):

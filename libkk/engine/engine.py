@@ -61,7 +61,11 @@ class Engine:
         self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
         self.model, self.arch = load_model(
-            self.model_dir, self.dtype, self.device, progress=config.progress
+            self.model_dir,
+            self.dtype,
+            self.device,
+            progress=config.progress,
+            moe_weight_format=config.model.moe_weight_format,
         )
         if config.model.shared_host_tables:
             share_embedding(self.model, self.model_dir, self.device)

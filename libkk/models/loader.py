@@ -24,7 +24,7 @@ from tqdm import tqdm
 from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
-from libkk.quant.checkpoint import QUANT_CONFIG, dequantize_stream
+from libkk.quant.checkpoint import QUANT_CONFIG, dequantize_stream, quant_config, quantize_stream
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,11 @@ _STACKED_HINTS = ("qkv_proj", "gate_up_proj", "w13_weight", "w2_weight")
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    moe_weight_format: str | None = None,
 ) -> tuple[nn.Module, ArchConfig]:
     """Reads config.json, builds the model on `device` in `dtype` and fills every parameter.
 
@@ -62,6 +66,10 @@ def load_model(
     ) as bar:
         tensors = _iter_tensors(shards, current, bar)
         quant = _read_quant_config(model_dir)
+        if quant is None and moe_weight_format is not None:
+            # Quantized on load through the same path a quantized checkpoint takes.
+            tensors = quantize_stream(tensors, moe_weight_format)
+            quant = quant_config(moe_weight_format)
         if quant is not None:  # 4-bit experts: dequantized as they are read
             tensors = dequantize_stream(tensors, quant, dtype)
         try:

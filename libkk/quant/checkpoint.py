@@ -65,6 +65,18 @@ def quantize_tensor(name: str, weight: torch.Tensor, fmt: str) -> dict[str, torc
     return out
 
 
+def quantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]], fmt: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a checkpoint quantized to `fmt` would hold: expert weights are replaced by
+    their quantized parts (what `libkk quantize` writes), everything else passes through."""
+    for name, tensor in tensors:
+        if is_expert_weight(name):
+            yield from quantize_tensor(name, tensor.float(), fmt).items()
+        else:
+            yield name, tensor
+
+
 def dequantize_stream(
     tensors: Iterable[tuple[str, torch.Tensor]],
     config: Mapping[str, object],

@@ -124,3 +124,14 @@ def test_cli_quantize(tiny_moe_dir, tmp_path, capsys):
     assert (tmp_path / "q" / QUANT_CONFIG).exists()
     assert main(["quantize", str(tiny_moe_dir), str(tmp_path / "q"), "--format", "nvfp4"]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo", ["nvfp4", "mxfp4"])
+def test_quantize_on_load_equals_the_quantized_checkpoint(algo, tiny_moe_dir, quantized):
+    model, _ = load_model(
+        tiny_moe_dir, torch.float32, torch.device("cpu"), progress=False, moe_weight_format=algo
+    )
+    on_load = {n: p.detach() for n, p in model.named_parameters()}
+    prequantized = quantized[algo][2]
+    assert on_load.keys() == prequantized.keys()
+    assert all(torch.equal(on_load[n], prequantized[n]) for n in on_load)
