@@ -48,6 +48,9 @@ class CacheConfig(msgspec.Struct, **_STRUCT):
     # A fixed KV budget in bytes; overrides gpu_memory_utilization.
     kv_cache_memory_bytes: PositiveInt | None = None
     enable_prefix_caching: bool = True
+    # Host RAM for a CPU tier of the KV cache: prefix blocks evicted from the device pool are kept
+    # there and copied back on a later hit instead of recomputed. None: no tier.
+    kv_offload_bytes: PositiveInt | None = None
     # "auto": the model dtype; "fp8": float8_e4m3fn with k/v scales 1.0 (half of bf16's bytes).
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 

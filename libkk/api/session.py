@@ -100,6 +100,12 @@ class Session:
                 return  # already finished; its final output is queued
             self._queues[request_id].append(output)
 
+    def stats(self) -> dict[str, int]:
+        """Engine counters: steps, preemptions, prefix-cache queries/hits (tokens) and, with
+        kv_offload_bytes, the host tier's stored/restored blocks and bytes moved."""
+        with self._lock:
+            return self.engine.stats()
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self.engine.has_unfinished_requests

@@ -22,7 +22,7 @@ Invariants (`check_invariants` verifies them all):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from libkk.cache import prefix_cache
@@ -70,6 +70,9 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # Called with a cached block just before it is evicted (its hash and preimage intact),
+        # e.g. to keep its KV in a host tier.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -192,6 +195,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self._cached[block.block_hash]
             block._clear_hash()
 

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from libkk.cache.block_pool import BlockPool, KVCacheBlock
-from libkk.cache.prefix_cache import RequestBlockHashes
+from libkk.cache.prefix_cache import BlockHash, RequestBlockHashes
+
+if TYPE_CHECKING:
+    from libkk.cache.offload import HostKVTier
 
 
 class CacheRequest(Protocol):
@@ -51,12 +54,25 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Paged KV-cache bookkeeping for all requests over one `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        host_tier: HostKVTier | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Evicted cached blocks go to the host tier, and lookups that miss here ask it.
+        self.host_tier = host_tier if enable_caching else None
+        if self.host_tier is not None:
+            tier = self.host_tier
+            self.block_pool.on_evict = lambda b: tier.store(
+                b.block_hash, b.parent_hash, b.token_ids, b.block_id
+            )
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step so the scheduler gets them without copying.
         self._req_block_ids: dict[str, list[int]] = {}
@@ -129,18 +145,49 @@ class KVCacheManager:
         bs = self.block_size
         hits: list[KVCacheBlock] = []
         parent = None
+        # Blocks referenced while host blocks are restored, so that taking a device block for a
+        # restore cannot evict the hits found so far; released at the end.
+        held: list[KVCacheBlock] = []
         # NOTE: stop at the first miss: a later block's KV depends on every earlier token.
         for i in range(max_hit_blocks):
-            block = self.block_pool.get_cached_block(
-                hashes[i], token_ids[i * bs : (i + 1) * bs], parent_hash=parent
-            )
+            block_tokens = token_ids[i * bs : (i + 1) * bs]
+            block = self.block_pool.get_cached_block(hashes[i], block_tokens, parent_hash=parent)
+            if block is None and self.host_tier is not None:
+                if not held:
+                    self.block_pool.touch(hits)
+                    held.extend(hits)
+                block = self._restore(hashes[i], block_tokens, parent)  # referenced once
+                if block is not None:
+                    held.append(block)
+            elif block is not None and held:
+                self.block_pool.touch([block])
+                held.append(block)
             if block is None:
                 break
             hits.append(block)
             parent = hashes[i]
+        if held:
+            self.block_pool.free_blocks(reversed(held))
         num_hit_tokens = len(hits) * bs
         self._record_lookup(request.request_id, len(token_ids), num_hit_tokens)
         return hits, num_hit_tokens
+
+    def _restore(
+        self, block_hash: BlockHash, token_ids: Sequence[int], parent: BlockHash | None
+    ) -> KVCacheBlock | None:
+        """Copies a host-tier block into a fresh device block and caches it there (referenced
+        once, for the caller); None when the tier misses or no device block is free."""
+        assert self.host_tier is not None
+        if self.block_pool.num_free_blocks == 0 or not self.host_tier.touch(block_hash):
+            return None
+        [block] = self.block_pool.get_new_blocks(1)  # may evict (and offload) another block
+        restored = self.host_tier.restore(block_hash, parent, token_ids, block.block_id)
+        if not restored or not self.block_pool.cache_full_block(
+            block, block_hash, token_ids, parent
+        ):
+            self.block_pool.free_blocks([block])
+            return None
+        return block
 
     def _record_lookup(self, request_id: str, num_queried: int, num_hit: int) -> None:
         previous = self._unadmitted_lookups.get(request_id)

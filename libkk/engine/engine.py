@@ -16,6 +16,7 @@ import torch
 from libkk.cache.host_tables import share_embedding
 from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_cache_bytes_per_block
 from libkk.cache.kv_cache_manager import KVCacheManager
+from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.detokenizer import IncrementalDetokenizer
 from libkk.engine.outputs import Logprob, RequestOutput
@@ -100,8 +101,12 @@ class Engine:
             self.kv_dtype,
             self.device,
         )
+        self.host_tier = self._make_host_tier(kv_caches, bytes_per_block)
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, block_size, enable_caching=cache_cfg.enable_prefix_caching
+            self.num_blocks,
+            block_size,
+            enable_caching=cache_cfg.enable_prefix_caching,
+            host_tier=self.host_tier,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.runner = ModelRunner(
@@ -120,6 +125,40 @@ class Engine:
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
         self.num_steps = 0
+
+    def _make_host_tier(
+        self, kv_caches: list[torch.Tensor], bytes_per_block: int
+    ) -> HostKVTier | None:
+        cache_cfg = self.config.cache
+        if cache_cfg.kv_offload_bytes is None:
+            return None
+        if not cache_cfg.enable_prefix_caching:
+            raise ConfigError("kv_offload_bytes needs enable_prefix_caching=True")
+        num_host_blocks = cache_cfg.kv_offload_bytes // bytes_per_block
+        if num_host_blocks < 1:
+            raise ConfigError(
+                f"kv_offload_bytes={cache_cfg.kv_offload_bytes} holds no KV block: expected at "
+                f"least {bytes_per_block} bytes"
+            )
+        return HostKVTier(kv_caches, num_host_blocks)
+
+    def stats(self) -> dict[str, int]:
+        """Prefix-cache and host-tier counters (tokens for the prefix cache, blocks and bytes for
+        the tier)."""
+        kv = self.kv_cache_manager
+        stats = {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+        }
+        if self.host_tier is not None:
+            stats |= {
+                "offload_blocks_stored": self.host_tier.num_stored,
+                "offload_blocks_restored": self.host_tier.num_restored,
+                "offload_bytes_moved": self.host_tier.bytes_moved,
+            }
+        return stats
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
