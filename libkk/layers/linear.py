@@ -49,14 +49,18 @@ def default_weight_loader(
     param.data.copy_(loaded)
 
 
+_SMALL_ROWS = 256
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), as F.linear computes it, but faster for the few rows of a CPU decode step.
 
     NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
-    more; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
-    fp32 shapes on a 2-core machine. One row is doubled so it takes the gemm path too.
+    a few; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
+    fp32 shapes on a 2-core machine, about even at 256-512 and 2x slower at 1.5K (prefill), so
+    only decode-sized inputs take it. One row is doubled so it takes the gemm path too.
     """
-    if x.device.type != "cpu" or x.dim() != 2:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _SMALL_ROWS:
         return F.linear(x, weight, bias)
     rows = x if x.shape[0] > 1 else torch.cat([x, x])
     out = torch.mm(weight, rows.t()).t()[: x.shape[0]].contiguous()  # [num_tokens, out]

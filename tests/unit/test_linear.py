@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from libkk.layers.linear import linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
