@@ -83,13 +83,19 @@ class TorchAttentionBackend(AttentionBackend):
             query_len = q_end - q_start
             if query_len == 0:
                 continue
-            blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
+            # A single query sees its whole context; queries with no cached context are plain
+            # causal (SDPA then skips the masked half) and their keys are this step's own;
+            # otherwise the context comes from the cache, with an explicit mask.
+            mask, causal = None, query_len > 1 and query_len == seq_len
+            if causal:
+                keys, values = k[q_start:q_end], v[q_start:q_end]  # [seq_len, kv_heads, dim]
+            else:
+                blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
+                keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[:seq_len]
+                values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[:seq_len]
             # [num_kv_heads, seq_len, head_dim]
-            keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[:seq_len]
-            values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[:seq_len]
             keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
-            mask = None  # a single query sees its whole context
-            if query_len > 1:
+            if query_len > 1 and not causal:
                 # Query row r sits at position seq_len - query_len + r and sees keys up to it.
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
@@ -100,6 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
                 keys[None],
                 values[None],
                 attn_mask=mask,
+                is_causal=causal,
                 scale=scale,
                 enable_gqa=True,
             )[0].transpose(0, 1)
