@@ -37,6 +37,9 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     # Quantize the experts of a full-precision MoE checkpoint on load (the weights a
     # `libkk quantize --format` checkpoint would load); None keeps the checkpoint's own format.
     moe_weight_format: Literal["nvfp4", "mxfp4"] | None = None
+    # Quantize every linear (attention and MLP projections) on load to FP8 with one scale per
+    # 128x128 block: the weights an FP8 per-block checkpoint would load.
+    quantization: Literal["fp8_per_block"] | None = None
 
 
 class CacheConfig(msgspec.Struct, **_STRUCT):

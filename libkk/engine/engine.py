@@ -67,6 +67,7 @@ class Engine:
             self.device,
             progress=config.progress,
             moe_weight_format=config.model.moe_weight_format,
+            quantization=config.model.quantization,
         )
         if config.model.shared_host_tables:
             share_embedding(self.model, self.model_dir, self.device)

@@ -10,12 +10,13 @@ models do not implement raise UnsupportedModelError naming the field.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 from libkk.models.registry import unsupported_architecture
+from libkk.quant.checkpoint import is_fp8_block_config
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", ... as written in config.json
+    # Linear weights stored as FP8 with per-128x128-block scales (quantization_config "fp8").
+    fp8_block_weights: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -104,13 +107,17 @@ def parse_arch_config(raw: Mapping[str, Any], source: str = "config.json") -> Ar
     if parser is None:
         raise unsupported_architecture(architecture, source)
     f = _Fields(raw, source)
-    if f.get("quantization_config") is not None:
-        method = (f.get("quantization_config") or {}).get("quant_method", "unknown")
-        raise f.unsupported(f"quantization_config (quant_method {method!r})")
+    quantization = f.get("quantization_config")
+    if quantization is not None and not is_fp8_block_config(quantization):
+        method = (quantization or {}).get("quant_method", "unknown")
+        raise f.unsupported(
+            f"quantization_config (quant_method {method!r}; supported: 'fp8' with "
+            "weight_block_size [128, 128])"
+        )
     act = f.get("hidden_act", "silu")
     if act != "silu":
         raise f.unsupported(f"hidden_act {act!r} (only 'silu')")
-    return parser(f, architecture)
+    return replace(parser(f, architecture), fp8_block_weights=quantization is not None)
 
 
 _MODEL_TYPE_TO_ARCH = {

@@ -24,7 +24,14 @@ from tqdm import tqdm
 from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
-from libkk.quant.checkpoint import QUANT_CONFIG, dequantize_stream, quant_config, quantize_stream
+from libkk.quant.checkpoint import (
+    QUANT_CONFIG,
+    dequantize_stream,
+    fp8_block_dequantize_stream,
+    fp8_block_quantize_stream,
+    quant_config,
+    quantize_stream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ def load_model(
     device: torch.device,
     progress: bool = True,
     moe_weight_format: str | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ArchConfig]:
     """Reads config.json, builds the model on `device` in `dtype` and fills every parameter.
 
@@ -72,6 +80,10 @@ def load_model(
             quant = quant_config(moe_weight_format)
         if quant is not None:  # 4-bit experts: dequantized as they are read
             tensors = dequantize_stream(tensors, quant, dtype)
+        if quantization == "fp8_per_block":  # linears quantized on load, as a checkpoint holds them
+            tensors = fp8_block_quantize_stream(tensors)
+        if quantization == "fp8_per_block" or config.fp8_block_weights:
+            tensors = fp8_block_dequantize_stream(tensors, dtype)
         try:
             loaded = model.load_weights(tensors)
         except CorruptCheckpointError as e:

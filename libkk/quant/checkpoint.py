@@ -23,8 +23,11 @@ import torch
 from libkk.errors import CorruptCheckpointError
 from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
 from libkk.quant.formats import (
+    FP8_BLOCK,
+    dequantize_fp8_block,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    quantize_fp8_block,
     quantize_mxfp4,
     quantize_nvfp4,
 )
@@ -33,6 +36,57 @@ QUANT_CONFIG = "hf_quant_config.json"
 FORMATS = ("nvfp4", "mxfp4", "nvfp4-csf", "mxfp4-csf")
 _EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
+_LINEAR_WEIGHT = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+# config.json's quantization_config of an FP8 per-block checkpoint (the DeepSeek-V3 / Qwen3-FP8
+# convention): `X.weight` float8_e4m3fn, `X.weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)],
+# the value being weight * weight_scale_inv per block.
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2}
+
+
+def is_fp8_block_config(config: Mapping[str, object]) -> bool:
+    return config.get("quant_method") == "fp8" and list(
+        config.get("weight_block_size") or []  # type: ignore[call-overload]
+    ) == [FP8_BLOCK, FP8_BLOCK]
+
+
+def fp8_block_quantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of an FP8 per-block checkpoint: every linear weight as e4m3 + block scales."""
+    for name, tensor in tensors:
+        if _LINEAR_WEIGHT.search(name) is None or tensor.dtype == torch.float8_e4m3fn:
+            yield name, tensor
+            continue
+        weight, scale = quantize_fp8_block(tensor.float())
+        yield name, weight
+        yield f"{name}_scale_inv", scale
+
+
+def fp8_block_dequantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Replaces each (e4m3 `X.weight`, `X.weight_scale_inv`) pair by the dequantized weight."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        if name.endswith(".weight_scale_inv"):
+            key, part = name.removesuffix("_scale_inv"), "scale"
+        elif name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
+            key, part = name, "weight"
+        else:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(key, {})
+        parts[part] = tensor
+        if len(parts) == 2:
+            del pending[key]
+            yield key, dequantize_fp8_block(parts["weight"], parts["scale"], dtype=dtype)
+    if pending:
+        raise CorruptCheckpointError(
+            f"FP8 weights without their scales (or scales without weights): "
+            f"{', '.join(sorted(pending)[:5])}"
+        )
 
 
 def is_expert_weight(name: str) -> bool:
