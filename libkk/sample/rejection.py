@@ -1,0 +1,166 @@
+"""Reference rejection sampler for speculative decoding (Leviathan et al., arXiv 2211.17192).
+
+Per row, drafts d_0 .. d_{n-1} (n = num_draft) proposed at positions pos .. pos + n - 1 are
+verified against the target's K + 1 rows of logits:
+
+- greedy rows (temperature 0) accept d_k while argmax(target_k) == d_k, then emit the target
+  argmax at the first mismatch, or at index n (the bonus token) when every draft is accepted;
+- random rows accept d_k when p_k(d_k) / q_k(d_k) >= u_k, in log space
+  log p(d) >= log u + log q(d), stop at the first rejection and sample from the residual
+  max(p - q, 0) (normalized), or sample a bonus token from p_n when every draft is accepted.
+
+All randomness is keyed by (seed, position, token id) (libkk.sample.gumbel), so a row's result
+never depends on the rest of the batch:
+
+- the acceptance uniform of d_k is keyed_uniform_at(seed, pos + k + ACCEPT_POSITION_SALT, d_k);
+- residual and bonus tokens use the target's own Gumbel noise at their position (no salt), so a
+  bonus token is exactly the token the plain sampler would draw from the same logits;
+- drafters sample with DRAFT_POSITION_SALT, so the three streams never share noise.
+
+p = softmax(target_logits / T): callers apply penalties and top-k / top-p / min-p to the logits
+first (-inf logits are never emitted). q = draft_probs; None means one-hot drafts (n-gram): q(d) = 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax, keyed_uniform_at
+
+# Added to positions for the acceptance uniforms: distinct from the target stream (0) and the
+# draft stream (DRAFT_POSITION_SALT = 2**30); positions + salt stay below 2**32.
+ACCEPT_POSITION_SALT = 2**31
+assert ACCEPT_POSITION_SALT != DRAFT_POSITION_SALT
+
+
+def rejection_sample(
+    target_logits: Tensor,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None,
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    num_draft: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Verify drafts and emit each row's accepted tokens plus one corrected or bonus token.
+
+    target_logits: [R, K+1, V] fp32, the target's logits at the K draft positions and the bonus.
+    draft_token_ids: [R, K] int64; entries at k >= num_draft[r] are ignored (any value).
+    draft_probs: [R, K, V] fp32 draft distributions q, or None for one-hot drafts.
+    temperatures: [R] fp32, 0 = greedy.
+    seeds: [R] int64; positions: [R] int64, the position of the first draft token.
+    num_draft: [R] int64 in [0, K], the drafts each row verifies.
+
+    Returns (output_token_ids [R, K+1] int64, the num_accepted[r] accepted drafts then one
+    target token, padded with -1; num_accepted [R] int64).
+    """
+    num_rows, k1, vocab_size = _check(
+        target_logits, draft_token_ids, draft_probs, temperatures, seeds, positions, num_draft
+    )
+    k = k1 - 1
+    device = target_logits.device
+    greedy = temperatures == 0  # [R]
+    steps = torch.arange(k1, device=device)  # [K+1]
+
+    # Padded drafts are clamped so they can index; they are never accepted.
+    valid = steps[None, :k] < num_draft[:, None]  # [R, K]
+    drafts = torch.where(valid, draft_token_ids, 0).clamp_(0, vocab_size - 1)  # [R, K]
+
+    temp = torch.where(greedy, 1.0, temperatures.float())  # [R]
+    scaled = target_logits.float() / temp[:, None, None]  # [R, K+1, V]
+    target_lp = torch.log_softmax(scaled, dim=-1)  # [R, K+1, V]
+
+    # Greedy acceptance.
+    target_argmax = target_logits.argmax(dim=-1)  # [R, K+1]; ties to the lowest id
+    accept_greedy = target_argmax[:, :k] == drafts  # [R, K]
+
+    # Random acceptance: log p(d) >= log u + log q(d).
+    p_d = target_lp[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [R, K]
+    if draft_probs is None:
+        q_d = torch.zeros_like(p_d)  # log 1
+    else:
+        q_d = draft_probs.float().gather(-1, drafts[..., None]).squeeze(-1).log()  # [R, K]
+    u = keyed_uniform_at(
+        seeds.repeat_interleave(k),
+        (positions[:, None] + steps[None, :k] + ACCEPT_POSITION_SALT).reshape(-1),
+        drafts.reshape(-1),
+    ).view(num_rows, k)  # [R, K]
+    # A token the target excludes (-inf) is never accepted, whatever q says.
+    accept_random = (p_d >= u.log() + q_d) & (p_d > -math.inf)  # [R, K]
+
+    accept = torch.where(greedy[:, None], accept_greedy, accept_random) & valid  # [R, K]
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
+
+    # The token after the accepted prefix: a residual sample at a rejection, else the bonus.
+    rows = torch.arange(num_rows, device=device)
+    j = num_accepted  # [R], index into K+1
+    rejected = j < num_draft  # [R]
+    final_logits = scaled[rows, j]  # [R, V]; the bonus samples from p itself
+    if k > 0 and bool((rejected & ~greedy).any()):
+        t_lp = target_lp[rows, j]  # [R, V]
+        jd = j.clamp(max=k - 1)
+        if draft_probs is None:
+            d_lp = torch.full_like(t_lp, -math.inf)
+            d_lp[rows, drafts[rows, jd]] = 0.0
+        else:
+            d_lp = draft_probs[rows, jd].float().log()  # [R, V]
+        # log max(p - q, 0) up to normalization; Gumbel-max needs no normalization.
+        residual = torch.where(
+            d_lp < t_lp, t_lp + torch.log1p(-torch.exp(d_lp - t_lp)), -math.inf
+        )  # [R, V]
+        # NOTE: a rejection with p <= q everywhere has probability 0 but can happen through
+        # rounding (p ~= q); sample from p then.
+        empty = residual.amax(dim=-1) == -math.inf
+        residual = torch.where(empty[:, None], t_lp, residual)
+        final_logits = torch.where(rejected[:, None], residual, final_logits)
+    sampled = gumbel_argmax(final_logits, seeds, positions + j)  # [R]
+    final = torch.where(greedy, target_argmax[rows, j], sampled)  # [R]
+
+    out = torch.full((num_rows, k1), -1, dtype=torch.int64, device=device)
+    out[:, :k] = torch.where(steps[None, :k] < j[:, None], draft_token_ids, -1)
+    out[rows, j] = final
+    return out, num_accepted
+
+
+def _check(
+    target_logits: Tensor,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None,
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    num_draft: Tensor,
+) -> tuple[int, int, int]:
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [R, K+1, V], got {tuple(target_logits.shape)}")
+    num_rows, k1, vocab_size = target_logits.shape
+    if k1 < 1:
+        raise ValueError("target_logits needs K+1 >= 1 rows per request")
+    if draft_token_ids.dtype != torch.int64 or draft_token_ids.shape != (num_rows, k1 - 1):
+        raise ValueError(
+            f"draft_token_ids must be int64 [{num_rows}, {k1 - 1}], "
+            f"got {draft_token_ids.dtype} {tuple(draft_token_ids.shape)}"
+        )
+    if draft_probs is not None and draft_probs.shape != (num_rows, k1 - 1, vocab_size):
+        raise ValueError(
+            f"draft_probs must be [{num_rows}, {k1 - 1}, {vocab_size}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    for name, t, dtype in (
+        ("temperatures", temperatures, None),
+        ("seeds", seeds, torch.int64),
+        ("positions", positions, torch.int64),
+        ("num_draft", num_draft, torch.int64),
+    ):
+        if t.shape != (num_rows,) or (dtype is not None and t.dtype != dtype):
+            raise ValueError(
+                f"{name} must be [{num_rows}] {dtype or ''}, got {t.dtype} {tuple(t.shape)}"
+            )
+    if bool(((num_draft < 0) | (num_draft > k1 - 1)).any()):
+        raise ValueError(f"num_draft must lie in [0, {k1 - 1}], got {num_draft.tolist()}")
+    if bool((temperatures < 0).any()):
+        raise ValueError("temperatures must be >= 0")
+    return num_rows, k1, vocab_size
