@@ -100,11 +100,71 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     torch_compile: bool = True
 
 
+class SpeculativeConfig(msgspec.Struct, **_STRUCT):
+    # None: no speculation. "ngram": prompt/output lookup; "draft_model": a smaller model with the
+    # same tokenizer; "dflash": a DFlash block drafter (both need draft_model).
+    method: Literal["ngram", "draft_model", "dflash"] | None = None
+    # K: the most drafts verified per request and step.
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # HF-layout folder (or .gguf) of the drafter, for draft_model and dflash.
+    draft_model: str | None = None
+    # ngram: the longest suffix of min..max tokens found earlier in the request is matched.
+    prompt_lookup_min: PositiveInt = 1
+    prompt_lookup_max: PositiveInt = 4
+    # Model drafters: "greedy" drafts the argmax (one-hot q), "probabilistic" samples drafts with
+    # keyed noise on the draft stream (q = the drafter's processed distribution).
+    draft_sampling: Literal["greedy", "probabilistic"] = "greedy"
+    # "exact": lossless rejection sampling. "synthetic": accept draft k with probability
+    # synthetic_acceptance_rates[k] (keyed, deterministic) whatever the target says; for
+    # benchmarks only, outputs then differ from the target's.
+    rejection_sample_method: Literal["exact", "synthetic"] = "exact"
+    synthetic_acceptance_rates: list[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] | None = None
+    # Admit drafts by an online acceptance estimate and profiled costs (libkk/spec/adaptive.py).
+    adaptive_verification: bool = False
+
+    def __post_init__(self) -> None:
+        m = self.method
+        if m in ("draft_model", "dflash") and not self.draft_model:
+            raise ValueError(f"speculative method {m!r} needs draft_model (a checkpoint path)")
+        if m in (None, "ngram") and self.draft_model is not None:
+            raise ValueError(
+                f"draft_model is only used by methods 'draft_model' and 'dflash', not {m!r}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if m == "ngram" and self.draft_sampling != "greedy":
+            raise ValueError("draft_sampling='probabilistic' needs a model drafter, not 'ngram'")
+        rates = self.synthetic_acceptance_rates
+        if self.rejection_sample_method == "synthetic":
+            if m is None:
+                raise ValueError("rejection_sample_method='synthetic' needs a speculative method")
+            if not rates:
+                raise ValueError(
+                    "rejection_sample_method='synthetic' needs synthetic_acceptance_rates "
+                    "(one accept rate per draft position)"
+                )
+            if len(rates) not in (1, self.num_speculative_tokens):
+                raise ValueError(
+                    f"synthetic_acceptance_rates has {len(rates)} rates: expected 1 or "
+                    f"num_speculative_tokens ({self.num_speculative_tokens})"
+                )
+        elif rates is not None:
+            raise ValueError(
+                "synthetic_acceptance_rates is only used with rejection_sample_method='synthetic'"
+            )
+        if self.adaptive_verification and m is None:
+            raise ValueError("adaptive_verification needs a speculative method")
+
+
 class EngineConfig(msgspec.Struct, **_STRUCT):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # A request with no progress for this long is logged with its timeline.
     stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
@@ -179,6 +239,7 @@ _SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "compilation": CompilationConfig,
+    "speculative": SpeculativeConfig,
 }
 _FIELD_TO_SECTION = {f: name for name, t in _SECTIONS.items() for f in t.__struct_fields__}
 _TOP_FIELDS = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}
