@@ -1,0 +1,854 @@
+"""Quantized mixture-of-experts ops: routing, expert alignment and fused W4A16 expert GEMMs.
+
+Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captured in a CUDA graph):
+
+1. `moe_topk_routing`: top-k over softmax or sigmoid router probabilities, optionally renormalized
+   (Qwen3-MoE: softmax + renorm when `norm_topk_prob`; Mixtral: softmax + renorm).
+2. `moe_align_block_size`: the (token, expert) pairs, pair p = token * top_k + k, sorted by expert
+   and each expert's run padded to a multiple of the M tile. Padding slots hold the sentinel
+   `num_pairs`; blocks past the padded total have expert -1. Sizes are the static worst case.
+3. `moe_w4a16_gate_up`: per M block (one expert), x[token] @ w13[expert]^T with the 4-bit weights
+   dequantized in the kernel, then SiLU(gate) * up -> intermediate [num_pairs, I].
+4. `moe_w4a16_down`: intermediate[pair] @ w2[expert]^T times the pair's routing weight -> [num_pairs,
+   hidden]; `fused_moe_w4a16` then sums each token's top_k rows.
+
+4-bit weights: uint8 [E, N, K/2], two E2M1 codes per byte, element 2i in the low nibble. Scales:
+uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),
+MXFP4 (G=32) E8M0 (2^(b-127), 0xFF NaN) with no global scale. The kernel forms each weight exactly
+as the torch dequantizer does (e2m1 * (scale * global) in fp32, rounded once to the activation
+dtype), so it multiplies the same bf16 weights the dequantized reference path holds.
+
+Because the packed bytes hold even and odd K elements in the two nibbles, the kernels split the
+activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
+
+Tile configs: a static table (decode <= 64 tokens: 16-row M tiles, the weight stream dominates;
+prefill: 64-row tiles). Triton autotune is not used: kernels sit below graphs/ in the import order,
+so the artifact cache's autotune store is out of reach from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from libkk.errors import LibkkError
+
+from ._jit import check_device, jit, next_pow2
+
+FORMATS = ("nvfp4", "mxfp4")
+GROUP = {"nvfp4": 16, "mxfp4": 32}
+SCORING = ("softmax", "sigmoid")
+_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MoeKernelError(LibkkError, ValueError):
+    """An input of a MoE op has the wrong shape, dtype or value."""
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # K elements per step (block_k / 2 packed bytes); a multiple of 32
+    num_warps: int
+    num_stages: int
+
+
+# Decode: few rows per expert, so a 16-row tile (tl.dot's minimum) wastes the least and narrow N
+# tiles spread one expert's weight stream over many SMs. Prefill: tiles big enough to reuse each
+# dequantized weight tile across many rows.
+DECODE_CONFIG = MoeTileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+PREFILL_CONFIG = MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+DECODE_MAX_TOKENS = 64
+
+
+def default_tile_config(num_tokens: int) -> MoeTileConfig:
+    return DECODE_CONFIG if num_tokens <= DECODE_MAX_TOKENS else PREFILL_CONFIG
+
+
+def _err(msg: str) -> MoeKernelError:
+    return MoeKernelError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing
+
+
+@jit
+def _routing_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_t,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    emask = e < NUM_EXPERTS
+    x = tl.load(logits_ptr + token * stride_t + e, mask=emask, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        z = tl.exp(x - tl.max(x, axis=0))
+        p = z / tl.sum(z, axis=0)
+    p = tl.where(emask, p, -1.0)  # below every probability: padding is never picked
+    kk = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        # the lowest index among equal maxima
+        idx = tl.min(tl.where(p == best, e, E_PAD), axis=0)
+        w = tl.where(kk == k, best, w)
+        ids = tl.where(kk == k, idx, ids)
+        p = tl.where(e == idx, -2.0, p)
+    if RENORM:
+        w = w / tl.sum(tl.where(kk < TOP_K, w, 0.0), axis=0)
+    kmask = kk < TOP_K
+    tl.store(weights_ptr + token * TOP_K + kk, w, mask=kmask)
+    tl.store(ids_ptr + token * TOP_K + kk, ids, mask=kmask)
+
+
+def _check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> None:
+    if router_logits.dim() != 2:
+        raise _err(f"router_logits must be [num_tokens, num_experts], got {router_logits.shape}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise _err(f"top_k={top_k} must be in 1..num_experts ({router_logits.shape[1]})")
+    if scoring not in SCORING:
+        raise _err(f"scoring {scoring!r} is not supported; supported: {', '.join(SCORING)}")
+
+
+@torch.library.custom_op("libkk::moe_topk_routing", mutates_args=())
+def moe_topk_routing(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [num_tokens, top_k] fp32, ids [num_tokens, top_k] int32), best first."""
+    _check_routing(router_logits, top_k, scoring)
+    check_device(router_logits)
+    num_tokens, num_experts = router_logits.shape
+    dev = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    _routing_kernel[(num_tokens,)](
+        logits,
+        weights,
+        ids,
+        logits.stride(0),
+        NUM_EXPERTS=num_experts,
+        E_PAD=next_pow2(num_experts),
+        TOP_K=top_k,
+        K_PAD=next_pow2(top_k),
+        SIGMOID=scoring == "sigmoid",
+        RENORM=renormalize,
+        num_warps=4 if num_experts > 256 else 1,
+    )
+    return weights, ids
+
+
+@moe_topk_routing.register_fake
+def _(router_logits, top_k, renormalize, scoring="softmax"):
+    n = router_logits.shape[0]
+    return (
+        router_logits.new_empty(n, top_k, dtype=torch.float32),
+        router_logits.new_empty(n, top_k, dtype=torch.int32),
+    )
+
+
+def moe_topk_routing_ref(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_topk_routing` (HF's op order: probabilities in fp32, top-k, divide
+    by their sum)."""
+    _check_routing(router_logits, top_k, scoring)
+    x = router_logits.float()
+    probs = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Alignment of (token, expert) pairs into expert blocks
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static size of sorted_ids: every pair plus at most block_m - 1 padding per used expert."""
+    padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return -(-padded // block_m) * block_m
+
+
+@jit
+def _align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    npad_ptr,
+    num_pairs,
+    num_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,  # num_pairs rounded up to a power of two (a constexpr loop bound)
+    BLOCKS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    e = tl.arange(0, E_PAD)
+    c = tl.arange(0, CHUNK)
+    # 1. tokens per expert
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, PAIRS_PAD, CHUNK):
+        p = start + c
+        ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+        counts += tl.sum(hit, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [E_PAD] inclusive
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    # 2. the expert of each M block: the first expert whose padded run ends after the block start
+    for start in range(0, BLOCKS_PAD, CHUNK):
+        b = start + c
+        row0 = b * BLOCK_M
+        before = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # [CHUNK]
+        expert = tl.where(row0 < total, before, -1)
+        tl.store(expert_ids_ptr + b, expert, mask=b < num_blocks)
+    # 3. scatter each pair to its expert's run, in pair order (stable)
+    cursor = starts
+    for start in range(0, PAIRS_PAD, CHUNK):
+        p = start + c
+        ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+        rank = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same expert in this chunk
+        pos = tl.sum(hit * (cursor[None, :] + rank), axis=1)  # [CHUNK]
+        tl.store(sorted_ptr + pos, p, mask=p < num_pairs)
+        cursor += tl.sum(hit, axis=0)
+
+
+def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise _err(
+            f"topk_ids must be int32/int64 [num_tokens, top_k], got {topk_ids.dtype} "
+            f"{tuple(topk_ids.shape)}"
+        )
+    if num_experts < 1:
+        raise _err(f"num_experts must be positive, got {num_experts}")
+    if block_m < 1:
+        raise _err(f"block_m must be positive, got {block_m}")
+
+
+@torch.library.custom_op("libkk::moe_align_block_size", mutates_args=())
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64, values in 0..num_experts-1
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post_pad int32 [1]).
+
+    P = max_padded_pairs(...). sorted_ids lists pair indices grouped by expert (ascending expert,
+    pairs in ascending order within an expert), each group padded with the sentinel num_pairs to a
+    multiple of block_m; slots from num_post_pad on are all sentinel and their blocks' expert is -1.
+    """
+    _check_align(topk_ids, num_experts, block_m)
+    check_device(topk_ids)
+    num_pairs = topk_ids.numel()
+    size = max_padded_pairs(num_pairs, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=dev)
+    num_blocks = size // block_m
+    expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32, device=dev)
+    num_post_pad = torch.zeros(1, dtype=torch.int32, device=dev)
+    if num_pairs == 0:
+        return sorted_ids, expert_ids, num_post_pad
+    ids = topk_ids.contiguous().view(-1)
+    e_pad = next_pow2(num_experts)
+    chunk = max(16, min(64, 8192 // e_pad))
+    _align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        num_pairs,
+        num_blocks,
+        NUM_EXPERTS=num_experts,
+        E_PAD=e_pad,
+        BLOCK_M=block_m,
+        PAIRS_PAD=max(next_pow2(num_pairs), chunk),
+        BLOCKS_PAD=max(next_pow2(num_blocks), chunk),
+        CHUNK=chunk,
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, num_post_pad
+
+
+@moe_align_block_size.register_fake
+def _(topk_ids, num_experts, block_m):
+    size = max_padded_pairs(topk_ids.numel(), num_experts, block_m)
+    return (
+        topk_ids.new_empty(size, dtype=torch.int32),
+        topk_ids.new_empty(size // block_m, dtype=torch.int32),
+        topk_ids.new_empty(1, dtype=torch.int32),
+    )
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_align_block_size` (reads counts on the host)."""
+    _check_align(topk_ids, num_experts, block_m)
+    num_pairs = topk_ids.numel()
+    size = max_padded_pairs(num_pairs, num_experts, block_m)
+    flat = topk_ids.reshape(-1).long().cpu()
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32)
+    expert_ids = torch.full((size // block_m,), -1, dtype=torch.int32)
+    pos = 0
+    for expert in range(num_experts):
+        pairs = torch.nonzero(flat == expert).flatten()
+        if pairs.numel() == 0:
+            continue
+        n = -(-pairs.numel() // block_m) * block_m
+        sorted_ids[pos : pos + pairs.numel()] = pairs.to(torch.int32)
+        expert_ids[pos // block_m : (pos + n) // block_m] = expert
+        pos += n
+    dev = topk_ids.device
+    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32).to(dev)
+
+
+# --------------------------------------------------------------------------------------------------
+# In-kernel dequantization
+
+
+@jit
+def _e2m1_value(code):
+    """E2M1 code (int32, 0..15) -> fp32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    # e >= 1: (1 + m/2) * 2^(e-1) = (2 + m) * 2^(e-2)
+    pow2 = tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0))
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * pow2)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@jit
+def _scale_value(byte, IS_NVFP4: tl.constexpr):
+    """A scale byte (int32) -> fp32: E4M3 (NVFP4) or E8M0 (MXFP4), NaN patterns included."""
+    nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    if IS_NVFP4:
+        e = (byte >> 3) & 15
+        m = byte & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+        mag = tl.where((e == 15) & (m == 7), nan, mag)
+        return tl.where((byte & 0x80) != 0, -mag, mag)
+    else:
+        # 2^(b - 127): the exponent field is b itself; b = 0 is the subnormal 2^-127
+        val = tl.where(byte == 0, 1 << 22, byte << 23).to(tl.float32, bitcast=True)
+        return tl.where(byte == 255, nan, val)
+
+
+@jit
+def _w4_tile(
+    w_ptrs,  # [BK/2, BN] pointers to packed bytes
+    s_ptrs,  # [BK/2, BN] pointers to the scale byte of each packed byte's pair of elements
+    gscale,  # fp32 scalar (1.0 for MXFP4)
+    mask,
+    DT: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+):
+    """(even, odd) weight tiles [BK/2, BN] in DT, each e2m1 * (scale * global) in fp32."""
+    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    sbyte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
+    step = _scale_value(sbyte, IS_NVFP4) * gscale
+    even = (_e2m1_value(packed & 15) * step).to(DT)
+    odd = (_e2m1_value(packed >> 4) * step).to(DT)
+    return even, odd
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused expert GEMMs
+
+
+@jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_pairs,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # intermediate size I (w13 has 2N rows: gate then up)
+    K: tl.constexpr,  # hidden size
+    TOP_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    j = tl.arange(0, BLOCK_K // 2)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    g_gate = 1.0
+    g_up = 1.0
+    if IS_NVFP4:
+        g_gate = tl.load(g_ptr + expert * 2)
+        g_up = tl.load(g_ptr + expert * 2 + 1)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + 2 * j  # even element of each packed byte, [BK/2]
+        kmask = kk < K
+        amask = valid[:, None] & kmask[None, :]
+        x_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :]
+        xe = tl.load(x_ptrs, mask=amask, other=0.0)
+        xo = tl.load(x_ptrs + 1, mask=amask, other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        wg_ptrs = w_base + n[None, :] * stride_wn + (kk // 2)[:, None]
+        sg_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
+        ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, DT, IS_NVFP4)
+        ue, uo = _w4_tile(
+            wg_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, g_up, wmask, DT, IS_NVFP4
+        )
+        acc_g = tl.dot(xe, ge, acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(xo, go, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(xe, ue, acc_u, input_precision=PRECISION)
+        acc_u = tl.dot(xo, uo, acc_u, input_precision=PRECISION)
+    # Round each projection to the activation dtype first, as the unfused linear would.
+    gate = acc_g.to(DT).to(tl.float32)
+    up = acc_u.to(DT).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+    h = (act * up).to(DT)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + n[None, :]
+    tl.store(out_ptrs, h, mask=valid[:, None] & nmask[None, :])
+
+
+@jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    rw_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_pairs,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # hidden size
+    K: tl.constexpr,  # intermediate size
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    DT: tl.constexpr = a_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    j = tl.arange(0, BLOCK_K // 2)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    gscale = 1.0
+    if IS_NVFP4:
+        gscale = tl.load(g_ptr + expert)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + 2 * j
+        kmask = kk < K
+        amask = valid[:, None] & kmask[None, :]
+        a_ptrs = a_ptr + pair64[:, None] * stride_at + kk[None, :]
+        ae = tl.load(a_ptrs, mask=amask, other=0.0)
+        ao = tl.load(a_ptrs + 1, mask=amask, other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        w_ptrs = w_base + n[None, :] * stride_wn + (kk // 2)[:, None]
+        s_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
+        we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, DT, IS_NVFP4)
+        acc = tl.dot(ae, we, acc, input_precision=PRECISION)
+        acc = tl.dot(ao, wo, acc, input_precision=PRECISION)
+    rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
+    y = (acc.to(DT).to(tl.float32) * rw[:, None]).to(DT)
+    out_ptrs = out_ptr + pair64[:, None] * stride_ot + n[None, :]
+    tl.store(out_ptrs, y, mask=valid[:, None] & nmask[None, :])
+
+
+def _check_w4(
+    name: str,
+    weight: torch.Tensor,  # [E, N, K/2] uint8
+    scale: torch.Tensor,  # [E, N, K/G] uint8
+    global_scale: torch.Tensor,  # [E, parts] fp32
+    fmt: str,
+    k: int,
+    n: int,
+    parts: int,
+) -> None:
+    if fmt not in FORMATS:
+        raise _err(f"weight format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
+    if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[1:] != (n, k // 2):
+        raise _err(
+            f"{name} must be uint8 [E, {n}, {k // 2}] (two E2M1 per byte), got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    e = weight.shape[0]
+    g = GROUP[fmt]
+    if k % g:
+        raise _err(f"{name}: K = {k} must be a multiple of the {fmt} block size {g}")
+    if scale.dtype != torch.uint8 or tuple(scale.shape) != (e, n, k // g):
+        raise _err(
+            f"{name} scales must be uint8 [{e}, {n}, {k // g}] (scale bytes), got "
+            f"{scale.dtype} {tuple(scale.shape)}"
+        )
+    if global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (e, parts):
+        raise _err(
+            f"{name} global scales must be fp32 [{e}, {parts}], got {global_scale.dtype} "
+            f"{tuple(global_scale.shape)}"
+        )
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise _err(f"{name} weights and scales must be contiguous in their last dim")
+
+
+def _check_rows(x: torch.Tensor, name: str, width: int) -> None:
+    if x.dim() != 2 or x.shape[1] != width or x.dtype not in _ACT_DTYPES:
+        raise _err(
+            f"{name} must be float32/float16/bfloat16 [rows, {width}], got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if x.stride(-1) != 1:
+        raise _err(f"{name} must be contiguous in its last dim")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@torch.library.custom_op("libkk::moe_w4a16_gate_up", mutates_args=("out",))
+def moe_w4a16_gate_up(
+    x: torch.Tensor,  # [num_tokens, K]
+    w13: torch.Tensor,  # [E, 2I, K/2] uint8
+    w13_scale: torch.Tensor,  # [E, 2I, K/G] uint8
+    w13_global: torch.Tensor,  # [E, 2] fp32 (gate, up); ignored for MXFP4
+    sorted_ids: torch.Tensor,  # [P] int32 from moe_align_block_size
+    expert_ids: torch.Tensor,  # [P / block_m] int32
+    num_post_pad: torch.Tensor,  # [1] int32
+    out: torch.Tensor,  # [num_tokens * top_k, I], x's dtype; every pair row is written
+    top_k: int,
+    fmt: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """out[pair] = SiLU(x[token] @ gate^T) * (x[token] @ up^T) with the pair's expert's weights."""
+    k = x.shape[-1]
+    inter = w13.shape[1] // 2
+    _check_rows(x, "x", k)
+    _check_w4("w13", w13, w13_scale, w13_global, fmt, k, 2 * inter, 2)
+    _check_rows(out, "out", inter)
+    if out.dtype != x.dtype or out.shape[0] != x.shape[0] * top_k:
+        raise _err(f"out must be {x.dtype} [{x.shape[0] * top_k}, {inter}], got {out.shape}")
+    _check_tiles(sorted_ids, expert_ids, block_m, block_k)
+    check_device(x)
+    if out.shape[0] == 0:
+        return
+    grid = (expert_ids.shape[0], -(-inter // block_n))
+    _gate_up_kernel[grid](
+        x,
+        w13,
+        w13_scale,
+        w13_global,
+        out,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        out.shape[0],
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        out.stride(0),
+        N=inter,
+        K=k,
+        TOP_K=top_k,
+        GROUP=GROUP[fmt],
+        IS_NVFP4=fmt == "nvfp4",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=_precision(x.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@moe_w4a16_gate_up.register_fake
+def _(x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out, *args) -> None:
+    return None
+
+
+@torch.library.custom_op("libkk::moe_w4a16_down", mutates_args=("out",))
+def moe_w4a16_down(
+    a: torch.Tensor,  # [num_pairs, I] from moe_w4a16_gate_up
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/G] uint8
+    w2_global: torch.Tensor,  # [E, 1] fp32; ignored for MXFP4
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    sorted_ids: torch.Tensor,  # [P] int32
+    expert_ids: torch.Tensor,  # [P / block_m] int32
+    num_post_pad: torch.Tensor,  # [1] int32
+    out: torch.Tensor,  # [num_pairs, H], a's dtype; every pair row is written
+    fmt: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """out[pair] = (a[pair] @ w2[expert]^T) * topk_weights.flat[pair]."""
+    k = a.shape[-1]
+    hidden = w2.shape[1]
+    _check_rows(a, "a", k)
+    _check_w4("w2", w2, w2_scale, w2_global, fmt, k, hidden, 1)
+    _check_rows(out, "out", hidden)
+    if out.dtype != a.dtype or out.shape[0] != a.shape[0]:
+        raise _err(f"out must be {a.dtype} [{a.shape[0]}, {hidden}], got {out.shape}")
+    if topk_weights.dtype != torch.float32 or topk_weights.numel() != a.shape[0]:
+        raise _err(
+            f"topk_weights must be fp32 with {a.shape[0]} elements, got {topk_weights.dtype} "
+            f"{tuple(topk_weights.shape)}"
+        )
+    _check_tiles(sorted_ids, expert_ids, block_m, block_k)
+    check_device(a)
+    if out.shape[0] == 0:
+        return
+    grid = (expert_ids.shape[0], -(-hidden // block_n))
+    _down_kernel[grid](
+        a,
+        w2,
+        w2_scale,
+        w2_global,
+        topk_weights.contiguous(),
+        out,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        a.shape[0],
+        a.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
+        out.stride(0),
+        N=hidden,
+        K=k,
+        GROUP=GROUP[fmt],
+        IS_NVFP4=fmt == "nvfp4",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=_precision(a.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@moe_w4a16_down.register_fake
+def _(a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out, *args):
+    return None
+
+
+def _check_tiles(
+    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_m: int, block_k: int
+) -> None:
+    if block_m < 16 or block_m & (block_m - 1):
+        raise _err(f"block_m must be a power of two >= 16 (tl.dot's minimum), got {block_m}")
+    if block_k < 32 or block_k & (block_k - 1):
+        raise _err(f"block_k must be a power of two >= 32, got {block_k}")
+    if sorted_ids.numel() != expert_ids.numel() * block_m:
+        raise _err(
+            f"sorted_ids ({sorted_ids.numel()}) must be expert_ids ({expert_ids.numel()}) "
+            f"x block_m ({block_m}): align with the same block_m"
+        )
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor,  # [num_tokens, H]
+    w13: torch.Tensor,  # [E, 2I, H/2] uint8
+    w13_scale: torch.Tensor,  # [E, 2I, H/G] uint8
+    w13_global: torch.Tensor,  # [E, 2] fp32
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/G] uint8
+    w2_global: torch.Tensor,  # [E, 1] fp32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
+    fmt: str,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, H]
+    """The whole expert computation of one layer on 4-bit weights; no host synchronisation."""
+    num_tokens, top_k = topk_ids.shape
+    cfg = config or default_tile_config(num_tokens)
+    tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)
+    inter = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    moe_w4a16_gate_up(
+        x, w13, w13_scale, w13_global, sorted_ids, expert_ids, npad, inter, top_k, fmt, *tiles
+    )
+    y = torch.empty(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+    moe_w4a16_down(
+        inter, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, npad, y, fmt, *tiles
+    )
+    return y.view(num_tokens, top_k, -1).sum(dim=1)  # torch accumulates the sum in fp32
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_w4_ref(
+    weight: torch.Tensor,  # [E, N, K/2] uint8
+    scale: torch.Tensor,  # [E, N, K/G] uint8
+    global_scale: torch.Tensor,  # [E, parts] fp32; row block p of N/parts rows uses column p
+    fmt: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [E, N, K]
+    """Stacked 4-bit weights -> dtype, with the same fp32 steps as libkk.quant.formats."""
+    e, n, half = weight.shape
+    g = GROUP[fmt]
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=weight.device)
+    codes = torch.stack((weight & 15, weight >> 4), dim=-1).reshape(e, n, 2 * half)
+    values = table[codes.long()].reshape(e, n, 2 * half // g, g)
+    if fmt == "nvfp4":
+        parts = global_scale.shape[1]
+        glob = global_scale.repeat_interleave(n // parts, dim=1)  # [E, N]
+        step = scale.view(torch.float8_e4m3fn).float() * glob[..., None]
+    else:
+        exps = scale.to(torch.int32) - 127
+        step = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps)
+        step = torch.where(scale == 255, torch.full_like(step, float("nan")), step)
+    return (values * step[..., None]).reshape(e, n, 2 * half).to(dtype)
+
+
+def _expert_of_pairs(
+    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int, block_m: int
+) -> torch.Tensor:  # [num_pairs] int64 (-1 for a pair not listed)
+    sid = sorted_ids.long().cpu()
+    slot_expert = expert_ids.long().cpu().repeat_interleave(block_m)
+    keep = sid < num_pairs
+    expert = torch.full((num_pairs,), -1, dtype=torch.int64)
+    expert[sid[keep]] = slot_expert[keep]
+    return expert
+
+
+def moe_w4a16_gate_up_ref(
+    x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out,
+    top_k, fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+) -> None:  # fmt: skip
+    """Torch reference of `moe_w4a16_gate_up` on the dequantized weights."""
+    num_pairs = out.shape[0]
+    inter = w13.shape[1] // 2
+    expert = _expert_of_pairs(sorted_ids, expert_ids, num_pairs, block_m)
+    for e in expert.unique().tolist():
+        if e < 0:
+            continue
+        pairs = torch.nonzero(expert == e).flatten().to(x.device)
+        w = dequantize_w4_ref(w13[e : e + 1], w13_scale[e : e + 1], w13_global[e : e + 1], fmt,
+                              x.dtype)[0]  # fmt: skip
+        h = torch.nn.functional.linear(x[pairs // top_k], w)  # [count, 2I]
+        gate, up = h[:, :inter], h[:, inter:]
+        out[pairs] = torch.nn.functional.silu(gate) * up
+
+
+def moe_w4a16_down_ref(
+    a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out,
+    fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+) -> None:  # fmt: skip
+    """Torch reference of `moe_w4a16_down` on the dequantized weights."""
+    num_pairs = out.shape[0]
+    expert = _expert_of_pairs(sorted_ids, expert_ids, num_pairs, block_m)
+    rw = topk_weights.reshape(-1)
+    for e in expert.unique().tolist():
+        if e < 0:
+            continue
+        pairs = torch.nonzero(expert == e).flatten().to(a.device)
+        w = dequantize_w4_ref(w2[e : e + 1], w2_scale[e : e + 1], w2_global[e : e + 1], fmt,
+                              a.dtype)[0]  # fmt: skip
+        y = torch.nn.functional.linear(a[pairs], w)
+        out[pairs] = (y.float() * rw[pairs, None]).to(out.dtype)
+
+
+def fused_moe_w4a16_ref(
+    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Torch reference of `fused_moe_w4a16`: dequantize, then the plain per-expert MLP loop."""
+    num_tokens, top_k = topk_ids.shape
+    w13_d = dequantize_w4_ref(w13, w13_scale, w13_global, fmt, x.dtype)
+    w2_d = dequantize_w4_ref(w2, w2_scale, w2_global, fmt, x.dtype)
+    inter = w13.shape[1] // 2
+    y = torch.zeros(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    rw = topk_weights.reshape(-1)
+    for e in flat.unique().tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        h = torch.nn.functional.linear(x[pairs // top_k], w13_d[e])
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        yy = torch.nn.functional.linear(act, w2_d[e])
+        y[pairs] = (yy.float() * rw[pairs, None]).to(x.dtype)
+    return y.view(num_tokens, top_k, -1).sum(dim=1)

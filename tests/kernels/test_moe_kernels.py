@@ -1,0 +1,180 @@
+"""MoE ops against their torch references: routing, alignment and the fused W4A16 expert GEMMs.
+
+Fresh random inputs per case, outputs poisoned with NaN before the op writes them, several shapes
+and tile configs. On CPU the ops run in Triton's interpreter with fp32/fp16 activations (its bf16
+dot is wrong); tests/gpu/test_moe_gpu.py covers bf16 at real shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from libkk.kernels import moe as M
+from libkk.kernels._jit import INTERPRETED
+
+from libkk.quant.formats import (
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not (ON_CUDA or INTERPRETED),
+    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
+)
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+SMALL = M.MoeTileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+WIDE = M.MoeTileConfig(block_m=32, block_n=16, block_k=64, num_warps=4, num_stages=1)
+
+
+def quantize_experts(w: torch.Tensor, fmt: str, parts: int):
+    """[E, N, K] float -> (packed [E, N, K/2], scale bytes [E, N, K/G], global [E, parts]); each of
+    the `parts` row blocks (gate, up) is its own tensor with its own NVFP4 global scale."""
+    packed, scales, glob = [], [], []
+    for we in w:
+        row_p, row_s, row_g = [], [], []
+        for block in we.chunk(parts, dim=0):
+            if fmt == "nvfp4":
+                q = quantize_nvfp4(block)
+                row_p.append(q.weight)
+                row_s.append(q.weight_scale.view(torch.uint8))
+                row_g.append(q.weight_scale_2.reshape(1))
+            else:
+                q = quantize_mxfp4(block)
+                row_p.append(q.weight)
+                row_s.append(q.scale)
+                row_g.append(torch.ones(1))
+        packed.append(torch.cat(row_p))
+        scales.append(torch.cat(row_s))
+        glob.append(torch.cat(row_g))
+    return torch.stack(packed), torch.stack(scales), torch.stack(glob)
+
+
+def random_layer(e: int, hidden: int, inter: int, fmt: str, seed: int, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(e, hidden, inter, generator=g) * 0.1
+    parts = quantize_experts(w13, fmt, 2) + quantize_experts(w2, fmt, 1)
+    return tuple(p.to(device) for p in parts)
+
+
+def test_dequantize_ref_matches_quant_formats():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 32, 64, generator=g)
+    for fmt in ("nvfp4", "mxfp4"):
+        p, s, gl = quantize_experts(w, fmt, 2)
+        got = M.dequantize_w4_ref(p, s, gl, fmt, torch.float32)
+        for e in range(2):
+            for half in range(2):
+                rows = slice(16 * half, 16 * half + 16)
+                if fmt == "nvfp4":
+                    want = dequantize_nvfp4(
+                        p[e, rows], s[e, rows].view(torch.float8_e4m3fn), gl[e, half].reshape(())
+                    )
+                else:
+                    want = dequantize_mxfp4(p[e, rows], s[e, rows])
+                assert torch.equal(got[e, rows], want)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("shape", [(1, 8, 2), (7, 60, 4), (33, 128, 8)])
+def test_routing(shape, scoring, renorm):
+    t, e, k = shape
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t + e)).to(DEVICE)
+    w, ids = M.moe_topk_routing(logits, k, renorm, scoring)
+    wr, idr = M.moe_topk_routing_ref(logits, k, renorm, scoring)
+    assert ids.dtype == torch.int32 and torch.equal(ids, idr)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    if renorm:
+        torch.testing.assert_close(w.sum(-1), torch.ones(t, device=DEVICE))
+
+
+def test_routing_rejects_bad_inputs():
+    with pytest.raises(M.MoeKernelError, match="top_k"):
+        M.moe_topk_routing(torch.zeros(2, 4, device=DEVICE), 5, True)
+    with pytest.raises(M.MoeKernelError, match="scoring"):
+        M.moe_topk_routing(torch.zeros(2, 4, device=DEVICE), 2, True, "relu")
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("shape", [(1, 8, 2), (5, 4, 4), (40, 16, 4), (300, 128, 8)])
+def test_align(shape, block_m):
+    t, e, k = shape
+    g = torch.Generator().manual_seed(t * 7 + e)
+    # Only the first max(k, e // 2) experts are picked, so some experts get no pair at all.
+    used = max(k, e // 2)
+    ids = torch.stack([torch.randperm(used, generator=g)[:k] for _ in range(t)])
+    ids = ids.to(torch.int32).to(DEVICE)
+    sorted_ids, expert_ids, npad = M.moe_align_block_size(ids, e, block_m)
+    ref = M.moe_align_block_size_ref(ids, e, block_m)
+    assert torch.equal(sorted_ids, ref[0]) and torch.equal(expert_ids, ref[1])
+    assert torch.equal(npad, ref[2])
+    # Independent checks: every pair once, padding is the sentinel, blocks hold one expert.
+    n = t * k
+    s = sorted_ids.cpu()
+    real = s[s < n]
+    assert torch.equal(real.sort().values, torch.arange(n, dtype=torch.int32))
+    assert bool((s[s >= n] == n).all())
+    assert int(npad) % block_m == 0 and bool((s[int(npad) :] == n).all())
+    flat = ids.reshape(-1).cpu().long()
+    blocks = expert_ids.cpu().long()
+    for slot in range(int(npad)):
+        if s[slot] < n:
+            assert flat[s[slot]] == blocks[slot // block_m]
+    assert bool((blocks[int(npad) // block_m :] == -1).all())
+    assert bool((blocks[: int(npad) // block_m] >= 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,cfg",
+    [((1, 4, 2, 64, 32), SMALL), ((6, 8, 2, 64, 64), SMALL), ((21, 8, 4, 128, 32), WIDE)],
+    ids=["decode1", "t6", "t21-wide"],
+)
+def test_gemm_ops_vs_reference(shape, cfg, dtype, fmt):
+    t, e, k, hidden, inter = shape
+    w13, s13, g13, w2, s2, g2 = random_layer(e, hidden, inter, fmt, seed=t + e)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(t, e, generator=gen).to(DEVICE)
+    weights, ids = M.moe_topk_routing_ref(logits, k, True)
+    tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    align = M.moe_align_block_size(ids, e, cfg.block_m)
+
+    inter_out = torch.full((t * k, inter), float("nan"), dtype=dtype, device=DEVICE)
+    M.moe_w4a16_gate_up(x, w13, s13, g13, *align, inter_out, k, fmt, *tiles)
+    inter_ref = torch.full_like(inter_out, float("nan"))
+    M.moe_w4a16_gate_up_ref(x, w13, s13, g13, *align, inter_ref, k, fmt, *tiles)
+    assert not inter_out.isnan().any()
+    torch.testing.assert_close(inter_out, inter_ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+    y = torch.full((t * k, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    M.moe_w4a16_down(inter_ref, w2, s2, g2, weights, *align, y, fmt, *tiles)
+    y_ref = torch.full_like(y, float("nan"))
+    M.moe_w4a16_down_ref(inter_ref, w2, s2, g2, weights, *align, y_ref, fmt, *tiles)
+    assert not y.isnan().any()
+    torch.testing.assert_close(y, y_ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+    out = M.fused_moe_w4a16(x, w13, s13, g13, w2, s2, g2, weights, ids, fmt, cfg)
+    want = M.fused_moe_w4a16_ref(x, w13, s13, g13, w2, s2, g2, weights, ids, fmt)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(out, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def test_gemm_rejects_bad_inputs():
+    w13, s13, g13, w2, s2, g2 = random_layer(2, 64, 32, "nvfp4", seed=0)
+    x = torch.zeros(1, 64, device=DEVICE)
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    wts = torch.ones(1, 1, device=DEVICE)
+    with pytest.raises(M.MoeKernelError, match="format"):
+        M.fused_moe_w4a16(x, w13, s13, g13, w2, s2, g2, wts, ids, "int4", SMALL)
+    with pytest.raises(M.MoeKernelError, match="w13 scales"):
+        M.fused_moe_w4a16(x, w13, s13[:, :, :2], g13, w2, s2, g2, wts, ids, "nvfp4", SMALL)
+    with pytest.raises(M.MoeKernelError, match="w13 must be"):
+        M.fused_moe_w4a16(x[:, :32], w13, s13, g13, w2, s2, g2, wts, ids, "nvfp4", SMALL)
