@@ -1,0 +1,375 @@
+"""Adaptive verification: how many of its drafts each request verifies this step.
+
+Objective. A step verifies n_r of request r's drafts (0 <= n_r <= its proposed count). With
+s_{r,k} = prod_{j<=k} p_{r,j} the estimated chance that slots 0..k are all accepted
+(`AcceptanceEstimator.survival`), the step emits in expectation
+
+    tokens(n) = R + sum_r sum_{k < n_r} s_{r,k}
+
+tokens (every request emits one target token plus its accepted drafts), at the cost
+
+    cost(n) = draft_ms(R) + verify_ms(R + other_tokens + sum_r n_r)
+
+from start-up profiles (`CostModel`). `AdaptiveVerifier.choose` returns the n maximizing
+tokens(n) / cost(n). It is solved exactly: the cost depends on n only through m = sum_r n_r, and
+s_{r,k} never grows with k, so for each m the best n takes the m largest survivals of the batch
+(a prefix of every row); the best m is found by trying every m (`optimal_num_draft`).
+
+Lossless. The choice is a function of draft-distribution features (`draft_feature`), the
+estimator's state and the cost tables, never of the drawn draft tokens or the target's logits, so
+verifying a shorter prefix leaves the output distribution exactly the target's (each emitted
+token is an accepted draft, a residual sample or a bonus sample from p). This holds when the
+features of later slots do not depend on earlier drawn tokens: block drafters (DFlash, all slots
+from one forward), one-hot drafts (constant feature) and greedy rows (deterministic output). An
+autoregressive probabilistic drafter, whose q_{k+1} depends on d_k, should pass features that do
+not (e.g. ONE_HOT_FEATURE for slots > 0).
+
+Exploration. When the estimator predicts too little, the verifier would verify nothing and the
+estimator would never see the evidence that could correct it. So after `explore_after`
+consecutive steps that had drafts but verified none, one step verifies one draft per request.
+The same rule applies deeper: after `explore_after` consecutive steps in which some request could
+have verified slot k next but none did, one step extends those requests by one slot.
+
+`synthetic_accept` gives benchmark acceptance at configured per-position rates
+(rejection_sample_method="synthetic"): deterministic, keyed like every other random choice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import msgspec
+import torch
+from torch import Tensor
+
+from libkk.errors import ConfigError
+from libkk.sample.gumbel import keyed_uniform_at
+from libkk.spec.estimator import AcceptanceEstimator, SpeculationInputError, _int_rows
+
+# Positions salt of the synthetic acceptance uniforms: apart from the target (0), draft (2**30)
+# and acceptance (2**31) streams; positions + salt stay below 2**32 for positions < 2**30.
+SYNTHETIC_POSITION_SALT = 3 * 2**30
+
+
+class AdaptiveConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Consecutive steps with a starved slot (drafts available, none verified) before a probe.
+    explore_after: Annotated[int, msgspec.Meta(ge=1)] = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+
+
+class _Curve:
+    """Piecewise-linear interpolation of measured (x, ms) points; linear beyond the ends, >= 0."""
+
+    def __init__(self, name: str, points: Sequence[tuple[float, float]]) -> None:
+        pts = sorted((float(x), float(y)) for x, y in points)
+        if not pts:
+            raise ConfigError(f"{name}: at least one (x, ms) point is needed")
+        for (x0, _), (x1, _) in zip(pts, pts[1:], strict=False):
+            if x0 == x1:
+                raise ConfigError(f"{name}: two points at x = {x0}")
+        for x, y in pts:
+            if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
+                raise ConfigError(f"{name}: points must be finite and >= 0, got ({x}, {y})")
+        self.points = pts
+        self._x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+        self._y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.double()
+        if len(self.points) == 1:
+            return self._y.expand(x.shape).clone()
+        # Segment i spans points i, i+1; ends extrapolate with their segment's slope.
+        i = (torch.searchsorted(self._x, x, right=True) - 1).clamp(0, len(self.points) - 2)
+        x0, x1, y0, y1 = self._x[i], self._x[i + 1], self._y[i], self._y[i + 1]
+        return (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).clamp(min=0.0)
+
+
+class CostModel:
+    """Step cost in ms: draft_ms(num_requests) + verify_ms(num_tokens), from measured points."""
+
+    def __init__(
+        self,
+        draft_ms: Sequence[tuple[float, float]],
+        verify_ms: Sequence[tuple[float, float]],
+    ) -> None:
+        """draft_ms: (requests, ms) points; verify_ms: (tokens in the target forward, ms)."""
+        self._draft = _Curve("draft_ms", draft_ms)
+        self._verify = _Curve("verify_ms", verify_ms)
+
+    @property
+    def draft_points(self) -> list[tuple[float, float]]:
+        return list(self._draft.points)
+
+    @property
+    def verify_points(self) -> list[tuple[float, float]]:
+        return list(self._verify.points)
+
+    def draft(self, num_requests: int | Tensor) -> float | Tensor:
+        return _apply(self._draft, num_requests)
+
+    def verify(self, num_tokens: int | Tensor) -> float | Tensor:
+        return _apply(self._verify, num_tokens)
+
+    def step(self, num_requests: int, num_tokens: int | Tensor) -> float | Tensor:
+        """draft(num_requests) + verify(num_tokens)."""
+        return self.draft(num_requests) + self.verify(num_tokens)
+
+    @classmethod
+    def profile(
+        cls,
+        draft_step: Callable[[int], object],
+        verify_step: Callable[[int], object],
+        request_counts: Sequence[int],
+        token_counts: Sequence[int],
+        *,
+        warmup: int = 2,
+        repeats: int = 5,
+        synchronize: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> CostModel:
+        """Time draft_step(num_requests) and verify_step(num_tokens) at each count.
+
+        Each point is the median of `repeats` timed calls after `warmup` untimed ones.
+        `synchronize` (e.g. torch.cuda.synchronize) runs before the clock is read, so that
+        asynchronous device work is counted.
+        """
+        if warmup < 0 or repeats < 1:
+            raise ConfigError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
+        if not request_counts or not token_counts:
+            raise ConfigError("profile needs at least one request count and one token count")
+
+        def timed(fn: Callable[[int], object], n: int) -> float:
+            for _ in range(warmup):
+                fn(n)
+            samples = []
+            for _ in range(repeats):
+                if synchronize is not None:
+                    synchronize()
+                start = clock()
+                fn(n)
+                if synchronize is not None:
+                    synchronize()
+                samples.append((clock() - start) * 1e3)
+            samples.sort()
+            return samples[len(samples) // 2]
+
+        return cls(
+            draft_ms=[(n, timed(draft_step, n)) for n in request_counts],
+            verify_ms=[(n, timed(verify_step, n)) for n in token_counts],
+        )
+
+
+def _apply(curve: _Curve, x: int | Tensor) -> float | Tensor:
+    if isinstance(x, Tensor):
+        return curve(x)
+    return float(curve(torch.tensor([float(x)]))[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice
+
+
+def objective(survival: Tensor, num_draft: Tensor, cost: CostModel, other_tokens: int = 0) -> float:
+    """tokens(n) / cost(n) of a choice (see the module docstring).
+
+    survival: [R, K] prod_{j<=k} p_j; num_draft: [R] drafts verified per request.
+    """
+    num_rows, k = survival.shape
+    slots = torch.arange(k)
+    taken = slots[None, :] < num_draft.cpu()[:, None]  # [R, K]
+    tokens = num_rows + float((survival.double().cpu() * taken).sum())
+    verify_tokens = num_rows + other_tokens + int(num_draft.sum())
+    return tokens / float(cost.step(num_rows, verify_tokens))
+
+
+def optimal_num_draft(
+    survival: Tensor,
+    num_proposed: Tensor,
+    cost: CostModel,
+    *,
+    other_tokens: int = 0,
+    max_verify_tokens: int | None = None,
+) -> Tensor:
+    """The num_draft [R] maximizing `objective`, exactly (ties: the fewest drafts).
+
+    survival: [R, K] non-increasing along K; num_proposed: [R] drafts available per request;
+    max_verify_tokens: a cap on R + other_tokens + sum num_draft (the step's token budget).
+    """
+    s = survival.detach().double().cpu()
+    num_rows, k = s.shape
+    avail = num_proposed.detach().cpu().long()
+    if num_rows == 0 or k == 0:
+        return torch.zeros(num_rows, dtype=torch.int64)
+    slots = torch.arange(k)
+    usable = slots[None, :] < avail[:, None]  # [R, K]
+    # NOTE: order by survival, ties to the lower slot: flatten slot-major before a stable sort,
+    # so the m best always form a prefix of every row.
+    values = torch.where(usable, s, -1.0).t().reshape(-1)  # [K * R], slot-major
+    order = torch.sort(values, descending=True, stable=True).indices
+    count = int(usable.sum())
+    order = order[:count]
+    best_sum = torch.cat([torch.zeros(1, dtype=torch.float64), values[order].cumsum(0)])  # [M+1]
+    m = torch.arange(count + 1)
+    base = num_rows + other_tokens
+    ratio = (num_rows + best_sum) / cost.step(num_rows, (base + m).double())  # [M+1]
+    if max_verify_tokens is not None:
+        ratio = torch.where(base + m <= max_verify_tokens, ratio, -math.inf)
+    best_m = int(ratio.argmax())  # first max: the fewest drafts among equals
+    chosen_rows = order[:best_m] % num_rows
+    return torch.bincount(chosen_rows, minlength=num_rows).long()
+
+
+class AdaptiveVerifier:
+    """Per step: choose how many drafts each request verifies, then learn from the outcome.
+
+    Engine use, once per step with speculation:
+        features = draft_feature(draft_logits, temperatures)   # [R, K] (or ONE_HOT_FEATURE)
+        num_draft = verifier.choose(features, num_proposed)     # [R]
+        ... verify the first num_draft[r] drafts of each request ...
+        verifier.observe(features, num_draft, num_accepted)
+    """
+
+    def __init__(
+        self,
+        estimator: AcceptanceEstimator,
+        cost: CostModel,
+        config: AdaptiveConfig | None = None,
+    ) -> None:
+        self.estimator = estimator
+        self.cost = cost
+        self.config = config if config is not None else AdaptiveConfig()
+        # Per slot: consecutive steps in which some request could verify it next and none did.
+        self._idle = [0] * estimator.num_positions
+        self.explored_last_step = False
+        self.num_explorations = 0
+
+    def choose(
+        self,
+        features: Tensor,
+        num_proposed: Tensor | None = None,
+        *,
+        other_tokens: int = 0,
+        max_verify_tokens: int | None = None,
+    ) -> Tensor:
+        """num_draft [R] int64 (CPU) for draft features [R, K].
+
+        num_proposed: [R] drafts each request has (default K each); other_tokens: tokens of other
+        work in the same target forward (prefill chunks), counted in the cost only;
+        max_verify_tokens: a cap on the forward's tokens (R + other_tokens + sum num_draft),
+        which exploration respects too.
+        """
+        survival = self.estimator.survival(features)  # [R, K]
+        num_rows, k = survival.shape
+        if num_proposed is None:
+            avail = torch.full((num_rows,), k, dtype=torch.int64)
+        else:
+            avail = _int_rows("num_proposed", num_proposed, num_rows)
+            if bool(((avail < 0) | (avail > k)).any()):
+                raise SpeculationInputError(
+                    f"num_proposed must lie in [0, {k}], got {avail.tolist()}"
+                )
+        chosen = optimal_num_draft(
+            survival,
+            avail,
+            self.cost,
+            other_tokens=other_tokens,
+            max_verify_tokens=max_verify_tokens,
+        )
+        self.explored_last_step = False
+        probe: int | None = None
+        starved = []
+        for slot in range(k):
+            next_here = (avail > slot) & (chosen == slot)  # [R]: slot would be verified next
+            verified = bool((chosen > slot).any())
+            is_starved = bool(next_here.any()) and not verified
+            starved.append(is_starved)
+            if probe is None and is_starved and self._idle[slot] >= self.config.explore_after:
+                probe = slot
+        if probe is not None:
+            rows = ((avail > probe) & (chosen == probe)).nonzero()[:, 0]
+            if max_verify_tokens is not None:
+                room = max_verify_tokens - (num_rows + other_tokens + int(chosen.sum()))
+                rows = rows[: max(room, 0)]
+            if rows.numel():
+                chosen[rows] += 1
+                self._idle[probe] = 0
+                starved[probe] = False
+                self.explored_last_step = True
+                self.num_explorations += 1
+        for slot in range(k):
+            if starved[slot]:
+                self._idle[slot] += 1
+            elif bool((chosen > slot).any()):
+                self._idle[slot] = 0
+        return chosen
+
+    def observe(self, features: Tensor, num_draft: Tensor, num_accepted: Tensor) -> bool:
+        """Feed one step's results to the estimator (see AcceptanceEstimator.observe)."""
+        return self.estimator.observe(features, num_draft, num_accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic acceptance (benchmarks)
+
+
+def synthetic_accept(
+    rates: Sequence[float] | Tensor,
+    num_draft: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+) -> Tensor:
+    """Accept draft k with probability rates[k], stopping at the first rejection.  # [R] int64
+
+    rates: [K] per-slot acceptance rates in [0, 1]; num_draft: [R] drafts verified (<= K);
+    seeds: [R] int64; positions: [R] int64 (< 2**30), the position of the first draft.
+    Draft k of row r is accepted when keyed_uniform(seed, position + k + salt) < rates[k], so the
+    result is deterministic and independent of the batch.
+    """
+    rate = torch.as_tensor(rates, dtype=torch.float64).reshape(-1)
+    k = rate.numel()
+    if k == 0 or bool(((rate < 0) | (rate > 1) | rate.isnan()).any()):
+        raise SpeculationInputError(f"rates must be K >= 1 values in [0, 1], got {rate.tolist()}")
+    num_rows = seeds.shape[0] if seeds.dim() == 1 else -1
+    for name, t in (("seeds", seeds), ("positions", positions), ("num_draft", num_draft)):
+        if t.dtype != torch.int64 or t.shape != (num_rows,):
+            raise SpeculationInputError(
+                f"{name} must be int64 [R] like seeds, got {t.dtype} {tuple(t.shape)}"
+            )
+    if bool(((num_draft < 0) | (num_draft > k)).any()):
+        raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {num_draft.tolist()}")
+    if bool(((positions < 0) | (positions + k > 2**30)).any()):
+        raise SpeculationInputError("positions must lie in [0, 2**30 - K]")
+    device = seeds.device
+    slots = torch.arange(k, device=device)
+    u = keyed_uniform_at(
+        seeds.repeat_interleave(k),
+        (positions[:, None] + slots[None, :] + SYNTHETIC_POSITION_SALT).reshape(-1),
+        torch.zeros(num_rows * k, dtype=torch.int64, device=device),
+    ).view(num_rows, k)  # [R, K]
+    accept = (u.double() < rate.to(device)[None, :]) & (slots[None, :] < num_draft[:, None])
+    return accept.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def rate_for_acceptance_length(length: float, num_positions: int) -> float:
+    """The constant per-slot rate a with 1 + sum_{k=1..K} a^k = length (mean tokens per step).
+
+    length lies in [1, K + 1]; e.g. K = 7 and length 3.5 give a ~= 0.72.
+    """
+    if num_positions < 1 or not (1.0 <= length <= num_positions + 1):
+        raise SpeculationInputError(
+            f"length must lie in [1, {num_positions + 1}] for K = {num_positions}, got {length}"
+        )
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # bisection: the mean length grows with a
+        mid = (lo + hi) / 2
+        if 1 + sum(mid**i for i in range(1, num_positions + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -1,0 +1,254 @@
+"""Online estimate of the chance that each draft slot is accepted.
+
+For draft slot k (0-based) of a request the estimator predicts
+
+    p_k = sigmoid(w * f_k + b_k)
+
+with one slope w shared by all slots and one intercept b_k per slot. The feature f_k is a property
+of the draft *distribution* q_k, never of the drawn token:
+
+    f_k = logit(max_x q_k(x)) = log(q_max / (1 - q_max)), clamped to [-40, 40]
+
+(`draft_feature`). One-hot drafts (n-gram) and greedy rows carry no confidence information; they
+get the constant `ONE_HOT_FEATURE` = 0, so for them p_k = sigmoid(b_k), the slot's base rate.
+
+Labels come from verification: a request that verified n drafts and accepted a of them gives
+y = 1 at slots 0 .. a-1, y = 0 at slot a when a < n (the first rejection), and nothing at later
+slots (they were never judged).
+
+Fitting is IRLS (Newton on the logistic log-likelihood), online. Each observation adds, at the
+current parameters (p = sigmoid(w f + b_k), W = p (1 - p), r = y - p), to its slot's sums
+
+    S_ff = sum W f^2,  S_f = sum W f,  S_w = sum W,  S_rf = sum r f,  S_r = sum r,  n
+
+Every `refit_interval` steps that observed anything, one Newton step is solved from the sums of
+the window since the last refit. Its Hessian in (w, b_0 .. b_{K-1}) is an arrowhead matrix (a dense
+first row/column, diagonal elsewhere), so with a ridge lambda on the step it solves in closed form
+(Schur complement on w):
+
+    D_k = S_w[k] + lambda,  c_k = S_f[k]
+    dw  = (sum_k S_rf[k] - sum_k c_k S_r[k] / D_k) / (sum_k S_ff[k] + lambda - sum_k c_k^2 / D_k)
+    db_k = (S_r[k] - c_k dw) / D_k
+
+The step is then made safe: dw is damped by N / (N + 50) (N = observations in the window), clamped
+to |dw| <= 1 (trust region) and w to [0, 4]; the intercepts are re-solved for the dw actually taken
+(the exact minimizer of the quadratic model given that dw), damped by n_k / (n_k + 50), clamped to
+|db_k| <= 1 and b_k to [-8, 8]. A slot with no observations in the window keeps its intercept.
+Because every refit uses only its own window, evidence from a bad stretch (a run of confidently
+wrong drafts) is outweighed as soon as new evidence arrives; the adaptive verifier's exploration
+(`libkk.spec.adaptive`) makes sure some always does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+import torch
+from torch import Tensor
+
+from libkk.errors import ConfigError, LibkkError
+
+# The feature of a one-hot draft distribution (n-gram drafts, greedy rows): no information about
+# confidence, so the prediction is the slot's intercept alone.
+ONE_HOT_FEATURE = 0.0
+# |f| bound: logit(max q) of a near-one-hot distribution grows without limit.
+FEATURE_CLAMP = 40.0
+
+
+class SpeculationInputError(LibkkError, ValueError):
+    """A tensor or value handed to the speculation helpers has the wrong shape, type or range."""
+
+
+class EstimatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Observed steps between refits.
+    refit_interval: Annotated[int, msgspec.Meta(ge=1)] = 100
+    # Ridge added to the Newton system's diagonal (keeps unobserved slots' steps at 0).
+    ridge: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-3
+    # A refit's step is scaled by n / (n + damping) for n observations behind it.
+    damping: Annotated[float, msgspec.Meta(ge=0.0)] = 50.0
+    # Largest change of any parameter in one refit.
+    trust_region: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    max_slope: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0  # w in [0, max_slope]
+    max_intercept: Annotated[float, msgspec.Meta(gt=0.0)] = 8.0  # |b_k| <= max_intercept
+    init_slope: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+    init_intercept: float = -0.2
+
+
+def draft_feature(draft_logits: Tensor, temperatures: Tensor | float) -> Tensor:
+    """f = logit(max_x q(x)) for q = softmax(draft_logits / T), clamped to +-40.  # [...]
+
+    draft_logits: [..., V] raw logits (before temperature); temperatures: a float or a tensor of
+    the leading shape [...] (broadcastable), 0 = greedy: those rows get ONE_HOT_FEATURE.
+
+    Computed without forming q: with z = logits / T and z* its max,
+    logit(q_max) = -log(sum over every other token of exp(z - z*)), stable for any spread.
+    """
+    if draft_logits.dim() < 1 or draft_logits.shape[-1] < 1:
+        raise SpeculationInputError(
+            f"draft_logits must be [..., V] with V >= 1, got {tuple(draft_logits.shape)}"
+        )
+    lead = draft_logits.shape[:-1]
+    temps = torch.as_tensor(temperatures, dtype=torch.float32, device=draft_logits.device)
+    try:
+        temps = temps.expand(lead)
+    except RuntimeError as e:
+        raise SpeculationInputError(
+            f"temperatures of shape {tuple(temps.shape)} do not broadcast to {tuple(lead)}"
+        ) from e
+    if bool((temps < 0).any()):
+        raise SpeculationInputError("temperatures must be >= 0")
+    greedy = temps == 0
+    z = draft_logits.float() / torch.where(greedy, 1.0, temps)[..., None]  # [..., V]
+    top = z.argmax(dim=-1, keepdim=True)  # [..., 1]
+    rest = (z - z.gather(-1, top)).scatter(-1, top, -math.inf)  # [..., V]; the max left out
+    f = -torch.logsumexp(rest, dim=-1)  # [...]; +inf for one-hot q
+    f = f.nan_to_num(nan=ONE_HOT_FEATURE).clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+    return torch.where(greedy, ONE_HOT_FEATURE, f)
+
+
+def feature_from_lse(max_logit: Tensor, lse: Tensor) -> Tensor:
+    """logit(q_max) from the row max z* and log-sum-exp of the scaled logits.  # [...]
+
+    For callers that already hold (max, lse) (vocab-parallel drafting): q_max = exp(z* - lse),
+    logit(q_max) = -log(exp(lse - z*) - 1), clamped to +-40.
+    """
+    excess = (lse.double() - max_logit.double()).clamp(min=0.0)  # log(1 / q_max) >= 0
+    f = -torch.log(torch.expm1(excess))
+    return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP).float()
+
+
+class AcceptanceEstimator:
+    """p_k = sigmoid(w * f + b_k) per draft slot, refitted online (see the module docstring).
+
+    State lives on the CPU in float64 (K + 1 parameters, 6 K sums); inputs on any device are
+    copied there. Not thread-safe: the engine calls it from its step loop only.
+    """
+
+    def __init__(self, num_positions: int, config: EstimatorConfig | None = None) -> None:
+        if not isinstance(num_positions, int) or num_positions < 1:
+            raise ConfigError(f"num_positions must be an int >= 1, got {num_positions!r}")
+        self.config = config if config is not None else EstimatorConfig()
+        c = self.config
+        if abs(c.init_intercept) > c.max_intercept or c.init_slope > c.max_slope:
+            raise ConfigError(
+                f"init_slope {c.init_slope} / init_intercept {c.init_intercept} lie outside "
+                f"[0, {c.max_slope}] / [-{c.max_intercept}, {c.max_intercept}]"
+            )
+        self.num_positions = num_positions
+        self.slope = float(c.init_slope)
+        self.intercepts = torch.full((num_positions,), float(c.init_intercept), dtype=torch.float64)
+        self.num_refits = 0
+        self.observed_steps = 0  # steps that contributed at least one label
+        self.total_observations = torch.zeros(num_positions, dtype=torch.int64)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        k = self.num_positions
+        self._s_ff = torch.zeros(k, dtype=torch.float64)
+        self._s_f = torch.zeros(k, dtype=torch.float64)
+        self._s_w = torch.zeros(k, dtype=torch.float64)
+        self._s_rf = torch.zeros(k, dtype=torch.float64)
+        self._s_r = torch.zeros(k, dtype=torch.float64)
+        self._n = torch.zeros(k, dtype=torch.float64)
+
+    def _features(self, features: Tensor) -> Tensor:
+        if features.dim() != 2 or features.shape[1] > self.num_positions:
+            raise SpeculationInputError(
+                f"features must be [R, K] with K <= {self.num_positions}, "
+                f"got {tuple(features.shape)}"
+            )
+        if not features.is_floating_point():
+            raise SpeculationInputError(f"features must be floating point, got {features.dtype}")
+        f = features.detach().to("cpu", torch.float64)
+        if bool(torch.isnan(f).any()):
+            raise SpeculationInputError("features contain NaN")
+        return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+
+    def predict(self, features: Tensor) -> Tensor:
+        """p_k for each request and slot.  # [R, K] float64 (CPU)
+
+        features: [R, K] (K <= num_positions; slot k of every row uses intercept b_k).
+        """
+        f = self._features(features)
+        return torch.sigmoid(self.slope * f + self.intercepts[: f.shape[1]])
+
+    def survival(self, features: Tensor) -> Tensor:
+        """Chance that slots 0..k are all accepted: prod_{j<=k} p_j.  # [R, K] float64 (CPU)"""
+        return self.predict(features).cumprod(dim=-1)
+
+    def observe(self, features: Tensor, num_draft: Tensor, num_accepted: Tensor) -> bool:
+        """Record one step's verification results; returns whether it triggered a refit.
+
+        features: [R, K] the features the drafts were chosen with; num_draft: [R] the drafts each
+        request verified (<= K); num_accepted: [R] how many of them were accepted (<= num_draft).
+        """
+        f = self._features(features)
+        num_rows, k = f.shape
+        nd = _int_rows("num_draft", num_draft, num_rows)
+        na = _int_rows("num_accepted", num_accepted, num_rows)
+        if bool(((nd < 0) | (nd > k)).any()):
+            raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {nd.tolist()}")
+        if bool(((na < 0) | (na > nd)).any()):
+            raise SpeculationInputError(
+                f"num_accepted must lie in [0, num_draft], got {na.tolist()} for {nd.tolist()}"
+            )
+        slots = torch.arange(k)
+        # Judged slots: the accepted ones and the first rejection; later slots are unobserved.
+        observed = slots[None, :] < torch.minimum(na + 1, nd)[:, None]  # [R, K]
+        if not bool(observed.any()):
+            return False
+        y = (slots[None, :] < na[:, None]).double()  # [R, K]
+        p = torch.sigmoid(self.slope * f + self.intercepts[:k])  # [R, K]
+        m = observed.double()
+        w = p * (1.0 - p) * m
+        r = (y - p) * m
+        self._s_ff[:k] += (w * f * f).sum(0)
+        self._s_f[:k] += (w * f).sum(0)
+        self._s_w[:k] += w.sum(0)
+        self._s_rf[:k] += (r * f).sum(0)
+        self._s_r[:k] += r.sum(0)
+        self._n[:k] += m.sum(0)
+        self.total_observations[:k] += observed.sum(0)
+        self.observed_steps += 1
+        if self.observed_steps % self.config.refit_interval == 0:
+            self.refit()
+            return True
+        return False
+
+    def refit(self) -> None:
+        """One damped, trust-region-bounded Newton step from the window's sums; clears them."""
+        c = self.config
+        n = self._n
+        if float(n.sum()) == 0.0:
+            return
+        lam = c.ridge
+        diag = self._s_w + lam  # [K]
+        cross = self._s_f  # [K]
+        schur = float(self._s_ff.sum()) + lam - float((cross * cross / diag).sum())
+        rhs = float(self._s_rf.sum()) - float((cross * self._s_r / diag).sum())
+        # NOTE: the ridge makes the system positive definite, so schur > 0 up to rounding.
+        dw = rhs / max(schur, lam * 1e-6)
+        total = float(n.sum())
+        dw *= total / (total + c.damping)
+        dw = max(-c.trust_region, min(c.trust_region, dw))
+        new_slope = max(0.0, min(c.max_slope, self.slope + dw))
+        dw = new_slope - self.slope
+        # Intercepts re-solved for the slope step actually taken.
+        db = (self._s_r - cross * dw) / diag  # [K]
+        db = db * (n / (n + c.damping))
+        db = db.clamp(-c.trust_region, c.trust_region)
+        self.slope = new_slope
+        self.intercepts = (self.intercepts + db).clamp(-c.max_intercept, c.max_intercept)
+        self.num_refits += 1
+        self._reset_window()
+
+
+def _int_rows(name: str, t: Tensor, num_rows: int) -> Tensor:
+    if not isinstance(t, Tensor) or t.shape != (num_rows,) or t.is_floating_point():
+        raise SpeculationInputError(
+            f"{name} must be an integer tensor of shape [{num_rows}], got "
+            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+        )
+    return t.detach().to("cpu", torch.int64)

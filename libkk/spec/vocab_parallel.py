@@ -1,0 +1,453 @@
+"""Vocab-parallel probabilistic drafting and verification: no [rows, vocab] all-gather.
+
+With a vocab-parallel LM head each rank holds the logits of one contiguous slice of the vocab
+(a shard; sizes may differ). The full-vocab path (`sample_draft_full` for drafts, then
+`libkk.sample.rejection.rejection_sample`) needs whole rows; this module gives the same tokens
+from small per-shard summaries:
+
+Drafting (`vocab_parallel_draft`): each shard takes z = logits / T (raw logits for greedy rows),
+adds the keyed Gumbel noise of its own token ids (keyed by the *absolute* id, on the draft
+stream, so it is the very noise the full row would get) and reports per row
+
+    (noisy max, its token id, that token's raw logit, row max of z, row sum of exp(z - max))
+
+One gather; the winner is the first shard holding the global noisy max (shards are in vocab
+order, so this is argmax's lowest-id tie rule), and the log-sum-exp of the row is
+gmax + log(sum_s sumexp_s * exp(max_s - gmax)). log q(d) = z_d - lse, with no softmax over V.
+
+Verification (`vocab_parallel_rejection_sample`), two gathers:
+1. per shard and position, (max z, sum exp(z - max), max raw logit, its id, z of the draft token
+   if the shard owns it): combined into the target's log-sum-exp, log p(d) = z_d - lse and the
+   greedy argmax; acceptance then runs on [R, K] values exactly as in rejection_sample.
+2. at each row's first rejection j, each shard forms the residual log max(p - q, 0) of its slice
+   (q from the draft shard's logits and the draft log-sum-exp), or z for a bonus token, and
+   Gumbel-samples it with the target-stream noise at position + j; the shard winners are merged
+   the same way. Each shard also reports whether its residual is empty and its sample from p, so
+   that the rare "empty residual" fallback of the full path needs no third round.
+
+Everything is written against `gather`: a callable taking the list of the per-shard tensors this
+process computed and returning them stacked over *all* shards in vocab order, [S, ...]. In one
+process (tests) that is `torch.stack`; under tensor parallelism each rank holds one shard and
+passes `lambda ts: all_gather_into_stack(ts[0])`.
+
+Exactness. Tokens and noise are computed from the same fp32 values as the full path, so greedy
+drafts and verification are bit-identical and random drafts are identical. Log-probabilities come
+from a differently ordered sum than torch's softmax, so they may differ in the last ulp; a
+decision flips only when it is that close to a tie (probability ~1e-7 per decision).
+
+Not covered (callers fall back to the full-vocab path): top-k / top-p / min-p (they need a global
+sort or threshold). Per-token processing (penalties, banned ids) is applied by each shard to its
+slice before calling in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from libkk.sample.gumbel import (
+    DRAFT_POSITION_SALT,
+    gumbel_argmax,
+    keyed_uniform_at,
+    uniform_to_gumbel_,
+)
+from libkk.sample.rejection import ACCEPT_POSITION_SALT
+from libkk.spec.estimator import ONE_HOT_FEATURE, SpeculationInputError, feature_from_lse
+
+Gather = Callable[[list[Tensor]], Tensor]
+
+# Per-shard summary layouts (float64, so fp32 values and int64 token ids travel exactly).
+DRAFT_STATS = 5  # noisy max, token id, raw logit of that token, row max of z, row sum-exp
+VERIFY_STATS = 5  # row max of z, row sum-exp, raw max, raw argmax id, z of the draft token
+FINAL_STATS = 5  # noisy max, token id, max before noise, fallback noisy max, fallback id
+
+_CPU_BLOCK_ELEMS = 1 << 20
+
+
+def stack_gather(tensors: list[Tensor]) -> Tensor:
+    """The gather of one process that holds every shard."""
+    return torch.stack(tensors)
+
+
+def vocab_starts(shard_sizes: Sequence[int]) -> list[int]:
+    """First token id of each shard, for contiguous shards of the given sizes in vocab order."""
+    starts, total = [], 0
+    for size in shard_sizes:
+        if size < 1:
+            raise SpeculationInputError(f"shard sizes must be >= 1, got {list(shard_sizes)}")
+        starts.append(total)
+        total += size
+    return starts
+
+
+@dataclass
+class DraftSample:
+    """One drafted token per row, with what verification needs of q."""
+
+    token_ids: Tensor  # [R] int64
+    logprobs: Tensor  # [R] fp32 log q(token) = z_token - lse (at T = 1 for greedy rows)
+    lse: Tensor  # [R] fp32 log-sum-exp of z = logits / T (T = 1 for greedy rows)
+    features: Tensor  # [R] fp32 logit(max q), the acceptance estimator's feature
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-vocab reference
+
+
+def sample_draft_full(
+    draft_logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor
+) -> Tensor:
+    """Full-vocab drafting: argmax for greedy rows, else the keyed Gumbel-max of logits / T on
+    the draft stream (positions + DRAFT_POSITION_SALT).  # [R] int64
+
+    draft_logits: [R, V] raw; temperatures: [R] (0 = greedy); positions: [R] of the drafted token.
+    """
+    greedy = temperatures == 0
+    temp = torch.where(greedy, 1.0, temperatures.float())
+    sampled = gumbel_argmax(
+        draft_logits.float() / temp[:, None], seeds, positions + DRAFT_POSITION_SALT
+    )
+    return torch.where(greedy, draft_logits.argmax(dim=-1), sampled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def _noisy_argmax(
+    values: Sequence[Tensor], vocab_start: int, seeds: Tensor, positions: Tensor
+) -> list[tuple[Tensor, Tensor]]:
+    """For each [R, Vs] tensor: max and first argmax (absolute id) of values + keyed Gumbel
+    noise of token ids vocab_start .. vocab_start + Vs - 1 (one noise draw shared by all)."""
+    num_rows, size = values[0].shape
+    device = values[0].device
+    ids = torch.arange(vocab_start, vocab_start + size, dtype=torch.int64, device=device)
+    best = [torch.empty(num_rows, dtype=torch.float32, device=device) for _ in values]
+    arg = [torch.empty(num_rows, dtype=torch.int64, device=device) for _ in values]
+    step = num_rows if device.type != "cpu" else max(1, _CPU_BLOCK_ELEMS // max(size, 1))
+    for i in range(0, num_rows, step):
+        sl = slice(i, i + step)
+        rows = seeds[sl].shape[0]
+        g = uniform_to_gumbel_(keyed_uniform_at(seeds[sl], positions[sl], ids.expand(rows, size)))
+        for n, v in enumerate(values):
+            score = g + v[sl]  # [rows, Vs]
+            best[n][sl] = score.amax(dim=-1)
+            arg[n][sl] = score.argmax(dim=-1) + vocab_start
+    return list(zip(best, arg, strict=True))
+
+
+def _max_sumexp(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Row max and sum of exp(z - max) along the last dim; (-inf, 0) for all -inf rows."""
+    m = z.amax(dim=-1)
+    safe = torch.where(m == -math.inf, 0.0, m)
+    return m, torch.exp(z - safe[..., None]).sum(dim=-1)
+
+
+def _combine_lse(row_max: Tensor, sumexp: Tensor) -> tuple[Tensor, Tensor]:
+    """Global (max, log-sum-exp) from per-shard [S, ...] row max and sum-exp; fp32 results."""
+    gmax = row_max.amax(dim=0)  # [...]
+    safe = torch.where(gmax == -math.inf, 0.0, gmax)
+    total = (sumexp * torch.exp(row_max - safe)).sum(dim=0)
+    return gmax.float(), (safe + torch.log(total)).float()
+
+
+def _first_max(values: Tensor, payload: Tensor) -> Tensor:
+    """payload at the first shard (dim 0) holding the max of values [S, ...]."""
+    first = (values == values.amax(dim=0, keepdim=True)).to(torch.int8).argmax(dim=0, keepdim=True)
+    return payload.gather(0, first).squeeze(0)
+
+
+def _check_rows(num_rows: int, **tensors: Tensor) -> None:
+    for name, t in tensors.items():
+        if t.shape != (num_rows,):
+            raise SpeculationInputError(f"{name} must be [{num_rows}], got {tuple(t.shape)}")
+        if name != "temperatures" and t.dtype != torch.int64:
+            raise SpeculationInputError(f"{name} must be int64, got {t.dtype}")
+
+
+def _check_shards(shards: Sequence[Tensor], starts: Sequence[int], what: str) -> None:
+    if len(shards) == 0 or len(shards) != len(starts):
+        raise SpeculationInputError(
+            f"{what}: need one vocab start per shard and at least one shard, got "
+            f"{len(shards)} shards and {len(starts)} starts"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafting
+
+
+def draft_shard_stats(
+    logits: Tensor, vocab_start: int, temperatures: Tensor, seeds: Tensor, positions: Tensor
+) -> Tensor:
+    """One shard's drafting summary.  # [R, DRAFT_STATS] float64
+
+    logits: [R, Vs] raw draft logits of token ids vocab_start .. vocab_start + Vs - 1;
+    positions: [R] of the drafted token (the draft-stream salt is added here).
+    """
+    greedy = temperatures == 0
+    temp = torch.where(greedy, 1.0, temperatures.float())
+    raw = logits.float()
+    z = raw / temp[:, None]  # [R, Vs]
+    ((noisy, token),) = _noisy_argmax([z], vocab_start, seeds, positions + DRAFT_POSITION_SALT)
+    noisy = torch.where(greedy, raw.amax(dim=-1), noisy)
+    token = torch.where(greedy, raw.argmax(dim=-1) + vocab_start, token)
+    token_logit = raw.gather(1, (token - vocab_start)[:, None])[:, 0]
+    row_max, sumexp = _max_sumexp(z)
+    return torch.stack([noisy, token.float(), token_logit, row_max, sumexp], dim=-1).double()
+
+
+def combine_draft_stats(stats: Tensor, temperatures: Tensor) -> DraftSample:
+    """Merge the gathered [S, R, DRAFT_STATS] summaries into the drafted tokens."""
+    noisy, token, token_logit, row_max, sumexp = stats.unbind(-1)  # [S, R] each
+    greedy = temperatures == 0
+    temp = torch.where(greedy, 1.0, temperatures.float())
+    token_ids = _first_max(noisy, token).long()
+    z_token = _first_max(noisy, token_logit).float() / temp
+    gmax, lse = _combine_lse(row_max, sumexp)
+    features = torch.where(greedy, ONE_HOT_FEATURE, feature_from_lse(gmax, lse))
+    return DraftSample(token_ids=token_ids, logprobs=z_token - lse, lse=lse, features=features)
+
+
+def vocab_parallel_draft(
+    logit_shards: Sequence[Tensor],
+    starts: Sequence[int],
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    gather: Gather = stack_gather,
+) -> DraftSample:
+    """sample_draft_full over vocab shards: the same tokens, plus log q(token) and the lse.
+
+    logit_shards: this process's [R, Vs] raw draft logits; starts: their first token ids.
+    """
+    _check_shards(logit_shards, starts, "vocab_parallel_draft")
+    _check_rows(
+        logit_shards[0].shape[0], temperatures=temperatures, seeds=seeds, positions=positions
+    )
+    local = [
+        draft_shard_stats(x, s, temperatures, seeds, positions)
+        for x, s in zip(logit_shards, starts, strict=True)
+    ]
+    return combine_draft_stats(gather(local), temperatures)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+
+
+@dataclass
+class VerifyPlan:
+    """What the first gather of verification decides, identical on every rank."""
+
+    num_accepted: Tensor  # [R] int64
+    rejected: Tensor  # [R] bool: a draft was rejected (else the last token is a bonus)
+    greedy: Tensor  # [R] bool
+    lse: Tensor  # [R, K+1] fp32 the target's log-sum-exp of z
+    target_argmax: Tensor  # [R, K+1] int64 of the raw target logits
+    drafts: Tensor  # [R, K] int64, padded slots set to 0
+
+
+def verify_shard_stats(
+    target_logits: Tensor,
+    vocab_start: int,
+    draft_token_ids: Tensor,
+    temperatures: Tensor,
+    num_draft: Tensor,
+) -> Tensor:
+    """One shard's summary of the target rows.  # [R, K+1, VERIFY_STATS] float64
+
+    target_logits: [R, K+1, Vs] raw target logits of this shard's token ids.
+    """
+    num_rows, k1, size = target_logits.shape
+    k = k1 - 1
+    greedy = temperatures == 0
+    temp = torch.where(greedy, 1.0, temperatures.float())
+    raw = target_logits.float()
+    z = raw / temp[:, None, None]  # [R, K+1, Vs]
+    row_max, sumexp = _max_sumexp(z)  # [R, K+1]
+    raw_max = raw.amax(dim=-1)
+    raw_arg = raw.argmax(dim=-1) + vocab_start
+    valid = torch.arange(k, device=z.device)[None, :] < num_draft[:, None]  # [R, K]
+    drafts = torch.where(valid, draft_token_ids, 0)
+    local = drafts - vocab_start
+    owned = (local >= 0) & (local < size)
+    z_draft = z[:, :k].gather(-1, local.clamp(0, size - 1)[..., None])[..., 0]  # [R, K]
+    z_draft = torch.where(owned, z_draft, -math.inf)
+    z_draft = torch.cat([z_draft, torch.full_like(z_draft[:, :1], -math.inf)], dim=1)  # [R, K+1]
+    return torch.stack([row_max, sumexp, raw_max, raw_arg.float(), z_draft], dim=-1).double()
+
+
+def combine_verify_stats(
+    stats: Tensor,
+    draft_token_ids: Tensor,
+    draft_logprobs: Tensor | None,
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    num_draft: Tensor,
+) -> VerifyPlan:
+    """Acceptance from the gathered [S, R, K+1, VERIFY_STATS] summaries (as rejection_sample).
+
+    draft_logprobs: [R, K] log q(d) (DraftSample.logprobs per slot), None for one-hot drafts.
+    """
+    row_max, sumexp, raw_max, raw_arg, z_draft = stats.unbind(-1)  # [S, R, K+1]
+    num_rows, k1 = row_max.shape[1:]
+    k = k1 - 1
+    device = row_max.device
+    greedy = temperatures == 0
+    steps = torch.arange(k1, device=device)
+    valid = steps[None, :k] < num_draft[:, None]  # [R, K]
+    drafts = torch.where(valid, draft_token_ids, 0)
+    _, lse = _combine_lse(row_max, sumexp)  # [R, K+1]
+    target_argmax = _first_max(raw_max, raw_arg).long()  # [R, K+1]
+    accept_greedy = target_argmax[:, :k] == drafts
+    p_d = z_draft.amax(dim=0)[:, :k].float() - lse[:, :k]  # [R, K]; one shard owns d
+    q_d = torch.zeros_like(p_d) if draft_logprobs is None else draft_logprobs.float()
+    u = keyed_uniform_at(
+        seeds.repeat_interleave(k),
+        (positions[:, None] + steps[None, :k] + ACCEPT_POSITION_SALT).reshape(-1),
+        drafts.reshape(-1),
+    ).view(num_rows, k)  # [R, K]
+    accept_random = (p_d >= u.log() + q_d) & (p_d > -math.inf)
+    accept = torch.where(greedy[:, None], accept_greedy, accept_random) & valid
+    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
+    return VerifyPlan(
+        num_accepted=num_accepted,
+        rejected=num_accepted < num_draft,
+        greedy=greedy,
+        lse=lse,
+        target_argmax=target_argmax,
+        drafts=drafts,
+    )
+
+
+def final_shard_stats(
+    target_logits: Tensor,
+    draft_logits: Tensor | None,
+    draft_lse: Tensor | None,
+    vocab_start: int,
+    plan: VerifyPlan,
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+) -> Tensor:
+    """One shard's sample of the token after the accepted prefix.  # [R, FINAL_STATS] float64
+
+    Residual max(p - q, 0) at a rejection (random rows), the target's z for a bonus token; plus
+    a sample from p in case the residual turns out empty on every shard.
+    draft_logits: [R, K, Vs] raw draft logits of this shard (None: one-hot drafts);
+    draft_lse: [R, K] the draft's log-sum-exp per slot (DraftSample.lse), None for one-hot.
+    """
+    num_rows, k1, size = target_logits.shape
+    k = k1 - 1
+    device = target_logits.device
+    rows = torch.arange(num_rows, device=device)
+    j = plan.num_accepted
+    temp = torch.where(plan.greedy, 1.0, temperatures.float())
+    z_j = target_logits[rows, j].float() / temp[:, None]  # [R, Vs]
+    t_lp = z_j - plan.lse[rows, j][:, None]  # [R, Vs]
+    primary = z_j
+    if k > 0:
+        jd = j.clamp(max=k - 1)
+        if draft_logits is None:
+            local = plan.drafts[rows, jd] - vocab_start  # [R]
+            d_lp = torch.full_like(t_lp, -math.inf)
+            owned = (local >= 0) & (local < size)
+            d_lp[rows[owned], local[owned]] = 0.0
+        else:
+            if draft_lse is None:
+                raise SpeculationInputError("draft_lse is needed with draft_logits")
+            d_lp = draft_logits[rows, jd].float() / temp[:, None] - draft_lse[rows, jd][:, None]
+        residual = torch.where(
+            d_lp < t_lp, t_lp + torch.log1p(-torch.exp(d_lp - t_lp)), -math.inf
+        )  # [R, Vs]
+        primary = torch.where((plan.rejected & ~plan.greedy)[:, None], residual, z_j)
+    (n1, id1), (n2, id2) = _noisy_argmax([primary, t_lp], vocab_start, seeds, positions + j)
+    return torch.stack([n1, id1.float(), primary.amax(dim=-1), n2, id2.float()], dim=-1).double()
+
+
+def combine_final_stats(stats: Tensor, plan: VerifyPlan, draft_token_ids: Tensor) -> Tensor:
+    """Output tokens [R, K+1] (accepted drafts, then the final token, padded with -1)."""
+    n1, id1, pmax, n2, id2 = stats.unbind(-1)  # [S, R]
+    num_rows = n1.shape[1]
+    k = draft_token_ids.shape[1]
+    rows = torch.arange(num_rows, device=n1.device)
+    j = plan.num_accepted
+    empty = (pmax.amax(dim=0) == -math.inf) & plan.rejected & ~plan.greedy
+    sampled = torch.where(empty, _first_max(n2, id2), _first_max(n1, id1)).long()
+    final = torch.where(plan.greedy, plan.target_argmax[rows, j], sampled)
+    steps = torch.arange(k, device=n1.device)
+    out = torch.full((num_rows, k + 1), -1, dtype=torch.int64, device=n1.device)
+    out[:, :k] = torch.where(steps[None, :] < j[:, None], draft_token_ids, -1)
+    out[rows, j] = final
+    return out
+
+
+def vocab_parallel_rejection_sample(
+    target_shards: Sequence[Tensor],
+    draft_shards: Sequence[Tensor] | None,
+    starts: Sequence[int],
+    draft_token_ids: Tensor,
+    draft_logprobs: Tensor | None,
+    draft_lse: Tensor | None,
+    temperatures: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    num_draft: Tensor,
+    gather: Gather = stack_gather,
+) -> tuple[Tensor, Tensor]:
+    """rejection_sample over vocab shards: (output_token_ids [R, K+1], num_accepted [R]).
+
+    target_shards: this process's [R, K+1, Vs] raw target logits; draft_shards: its [R, K, Vs]
+    raw draft logits, or None for one-hot drafts (then draft_logprobs and draft_lse are None
+    too); starts: the shards' first token ids. draft_logprobs / draft_lse: [R, K] from drafting
+    (DraftSample.logprobs / .lse per slot). The rest as in rejection_sample: positions is the
+    position of the first draft; padded slots (k >= num_draft) may hold any id.
+    """
+    _check_shards(target_shards, starts, "vocab_parallel_rejection_sample")
+    one_hot = draft_shards is None
+    if one_hot != (draft_logprobs is None) or one_hot != (draft_lse is None):
+        raise SpeculationInputError(
+            "draft_shards, draft_logprobs and draft_lse must all be given or all be None"
+        )
+    if target_shards[0].dim() != 3:
+        raise SpeculationInputError(
+            f"target shards must be [R, K+1, Vs], got {tuple(target_shards[0].shape)}"
+        )
+    num_rows, k1 = target_shards[0].shape[:2]
+    k = k1 - 1
+    if draft_token_ids.dtype != torch.int64 or draft_token_ids.shape != (num_rows, k):
+        raise SpeculationInputError(
+            f"draft_token_ids must be int64 [{num_rows}, {k}], got "
+            f"{draft_token_ids.dtype} {tuple(draft_token_ids.shape)}"
+        )
+    _check_rows(
+        num_rows, temperatures=temperatures, seeds=seeds, positions=positions, num_draft=num_draft
+    )
+    if bool(((num_draft < 0) | (num_draft > k)).any()):
+        raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {num_draft.tolist()}")
+    if bool((temperatures < 0).any()):
+        raise SpeculationInputError("temperatures must be >= 0")
+    for name, t in (("draft_logprobs", draft_logprobs), ("draft_lse", draft_lse)):
+        if t is not None and t.shape != (num_rows, k):
+            raise SpeculationInputError(f"{name} must be [{num_rows}, {k}], got {tuple(t.shape)}")
+
+    local = [
+        verify_shard_stats(x, s, draft_token_ids, temperatures, num_draft)
+        for x, s in zip(target_shards, starts, strict=True)
+    ]
+    plan = combine_verify_stats(
+        gather(local), draft_token_ids, draft_logprobs, temperatures, seeds, positions, num_draft
+    )
+    drafts = [None] * len(target_shards) if draft_shards is None else list(draft_shards)
+    local = [
+        final_shard_stats(x, d, draft_lse, s, plan, temperatures, seeds, positions)
+        for x, d, s in zip(target_shards, drafts, starts, strict=True)
+    ]
+    out = combine_final_stats(gather(local), plan, draft_token_ids)
+    return out, plan.num_accepted
