@@ -1,4 +1,10 @@
-"""Token embedding and the LM head (its own weight, or tied to the embedding)."""
+"""Token embedding and the LM head (its own weight, or tied to the embedding).
+
+Under tensor parallelism both are vocab-parallel: rank r holds rows [r * P, (r + 1) * P) of the
+vocabulary, P = ceil(vocab / tp), the last rank's rows past the vocabulary zero-filled. The
+embedding looks up the ids it holds (zeros for the rest) and all-reduces; the head returns this
+rank's logits [N, P], which the model runner gathers to the full vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.layers.linear import linear, new_param
+from libkk.dist import all_reduce, get_tp_rank, get_tp_size
+from libkk.layers.linear import check_shape, linear, new_param
+
+
+def vocab_part(vocab_size: int) -> tuple[range, int]:
+    """(this rank's rows of the vocabulary, rows every rank allocates)."""
+    size = get_tp_size()
+    per = -(-vocab_size // size)
+    start = min(get_tp_rank() * per, vocab_size)
+    return range(start, min(start + per, vocab_size)), per
+
+
+def _vocab_param(vocab_size: int, hidden_size: int) -> tuple[nn.Parameter, range]:
+    rows, per = vocab_part(vocab_size)
+    if get_tp_size() == 1:
+        return new_param(vocab_size, hidden_size), rows  # [vocab, hidden]
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: object = None) -> None:
+        # The loader hands over rows [start, stop) of the vocabulary; padding rows stay zero.
+        target = param.data[: len(rows)]
+        check_shape(name, target.shape, loaded.shape)
+        target.copy_(loaded)
+        param.data[len(rows) :].zero_()
+
+    param = new_param(
+        per, hidden_size, loader=load, tp_slices=lambda _: [(0, rows.start, rows.stop)]
+    )  # [vocab / tp (rounded up), hidden]
+    return param, rows
 
 
 class VocabEmbedding(nn.Module):
@@ -14,10 +47,16 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = new_param(vocab_size, hidden_size)  # [vocab, hidden]
+        self.weight, self.vocab_rows = _vocab_param(vocab_size, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+        if get_tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        start, stop = self.vocab_rows.start, self.vocab_rows.stop
+        mine = (input_ids >= start) & (input_ids < stop)  # [T]
+        local = torch.where(mine, input_ids - start, 0)
+        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        return all_reduce(out)  # exactly one rank contributes each row
 
     def use_table(self, table: torch.Tensor) -> None:
         """Serves the embedding from `table` (e.g. a read-only shared mapping), freeing the loaded
@@ -50,9 +89,13 @@ class LMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tie_to is not None
-        self.weight = tie_to.weight if tie_to is not None else new_param(vocab_size, hidden_size)
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight, _ = _vocab_param(vocab_size, hidden_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, hidden] -> [N, vocab] fp32; under tensor parallelism this rank's [N, vocab / tp]
         # NOTE: the matmul runs in the model dtype (as HF's lm_head does); only the result is
         # widened, so bf16 logits round the same way as the reference.
         return linear(hidden, self.weight).float()

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.layers.linear import Linear, check_shape, default_weight_loader, new_param
+from libkk.dist import all_reduce, get_tp_size
+from libkk.layers.linear import (
+    Linear,
+    check_shape,
+    default_weight_loader,
+    new_param,
+    shard_expert_weights,
+    tp_split,
+)
 
 
 def select_experts(
@@ -146,9 +154,14 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        # Tensor parallelism: each rank holds its slice of every expert's intermediate dim and
+        # the partial outputs are summed (all-reduce in forward).
+        local = len(tp_split(intermediate_size, "moe_intermediate_size"))
+        self.experts = FusedMoE(num_experts, hidden_size, local)
+        shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return self.experts(hidden, weights, ids)
+        out = self.experts(hidden, weights, ids)  # [num_tokens, hidden]
+        return all_reduce(out) if get_tp_size() > 1 else out

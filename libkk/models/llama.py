@@ -18,10 +18,18 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
+from libkk.dist import all_gather_last_dim, get_tp_size
 from libkk.layers.activation import SiluAndMul
 from libkk.layers.attention import Attention
 from libkk.layers.embedding import LMHead, VocabEmbedding
-from libkk.layers.linear import WHOLE, GateUpLinear, Linear, QKVLinear, default_weight_loader
+from libkk.layers.linear import (
+    WHOLE,
+    GateUpLinear,
+    QKVLinear,
+    RowParallelLinear,
+    Slices,
+    default_weight_loader,
+)
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RotaryEmbedding
 from libkk.models.arch_config import ArchConfig
@@ -33,7 +41,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
@@ -44,19 +52,20 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.qkv_proj = QKVLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
             bias=config.qkv_bias,
         )  # fmt: skip
-        self.o_proj = Linear(
+        # This rank's heads (all of them at one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
         self.rotary_emb = rotary_emb  # shared by all layers; one cos/sin table per model
         self.attn = Attention(
-            config.num_heads, config.head_dim, config.num_kv_heads, scale=config.head_dim**-0.5
+            self.num_heads, config.head_dim, self.num_kv_heads, scale=config.head_dim**-0.5
         )
 
     def forward(
@@ -171,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_kv_heads
+        """KV heads this rank caches (all of them at one rank)."""
+        layers = self.attention_layers()
+        return layers[0].num_kv_heads if layers else self.config.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -197,7 +208,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)  # [N, vocab / tp] under tensor parallelism
+        if get_tp_size() == 1:
+            return logits
+        # NOTE: every rank gathers the full vocabulary for now (rank 0 samples from it).
+        return all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -226,6 +241,21 @@ class LlamaForCausalLM(nn.Module):
             for name, seen in shards_seen.items()
             if None in seen or seen >= getattr(params[name], "shard_ids", WHOLE)
         }
+
+    def weight_slices(self, ckpt_name: str) -> Slices | None:
+        """Under tensor parallelism, the ranges of checkpoint tensor `ckpt_name` this rank reads;
+        None: the whole tensor (replicated, skipped, or a single rank)."""
+        target = self._map_weight_name(ckpt_name)
+        if target is None:
+            return None
+        param = self._params_by_name().get(target[0])
+        slices = getattr(param, "tp_slices", None)
+        return None if slices is None else slices(target[1])
+
+    def _params_by_name(self) -> dict[str, nn.Parameter]:
+        if not hasattr(self, "_param_index"):
+            self._param_index = dict(self.named_parameters())
+        return self._param_index
 
     def _map_weight_name(self, name: str) -> tuple[str, Hashable] | None:
         """Checkpoint name -> (parameter name, shard id), or None to skip the tensor."""

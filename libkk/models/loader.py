@@ -11,19 +11,22 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from libkk.dist import get_tp_size
 from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
+from libkk.models.sharded_read import ShardedReader, check_csf_split
 from libkk.quant.checkpoint import (
     QUANT_CONFIG,
     dequantize_stream,
@@ -63,17 +66,28 @@ def load_model(
     config = read_arch_config(model_dir)
     shards = checkpoint_shards(model_dir)
     model_cls = get_model_class(config.architecture)
+    quant = _read_quant_config(model_dir)
+    if quant is not None and quant.get("csf") and config.is_moe:
+        check_csf_split(config.moe_intermediate_size, "experts' gate/up projections")
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config)
     model.eval()
+    # Tensor parallelism: each rank reads only its part of each tensor (libkk.models.sharded_read).
+    reader = None
+    if get_tp_size() > 1:
+        presplit = moe_weight_format is None and quantization is None
+        reader = ShardedReader(
+            model.weight_slices,
+            quant,
+            presplit=presplit and not config.fp8_block_weights,
+        )
 
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
     with tqdm(
         total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress
     ) as bar:
-        tensors = _iter_tensors(shards, current, bar)
-        quant = _read_quant_config(model_dir)
+        tensors = _iter_tensors(shards, current, bar, None if reader is None else reader.read)
         if quant is None and moe_weight_format is not None:
             # Quantized on load through the same path a quantized checkpoint takes.
             tensors = quantize_stream(tensors, moe_weight_format)
@@ -84,6 +98,8 @@ def load_model(
             tensors = fp8_block_quantize_stream(tensors)
         if quantization == "fp8_per_block" or config.fp8_block_weights:
             tensors = fp8_block_dequantize_stream(tensors, dtype)
+        if reader is not None:
+            tensors = reader.slice_rest(tensors)
         try:
             loaded = model.load_weights(tensors)
         except CorruptCheckpointError as e:
@@ -215,16 +231,20 @@ def _read_keys(path: Path) -> list[str]:
 
 
 def _iter_tensors(
-    shards: list[Shard], current: list[Path], bar: tqdm
+    shards: list[Shard],
+    current: list[Path],
+    bar: tqdm,
+    read: Callable[[Any, str], torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, CPU tensor) memory-mapped from each file; `current` names the open file."""
+    """Yields (name, CPU tensor) memory-mapped from each file; `current` names the open file.
+    `read(file, name)`, when given, reads a tensor instead of `get_tensor` (a rank's part)."""
     for shard in shards:
         current[:] = [shard.path]
         try:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.names:
                     try:
-                        tensor = f.get_tensor(name)
+                        tensor = f.get_tensor(name) if read is None else read(f, name)
                     except (SafetensorError, OSError, RuntimeError) as e:
                         raise CorruptCheckpointError(
                             f"cannot read tensor {name!r} from {str(shard.path)!r}: {e}"
