@@ -9,14 +9,17 @@ Drafting (`vocab_parallel_draft`): each shard takes z = logits / T (raw logits f
 adds the keyed Gumbel noise of its own token ids (keyed by the *absolute* id, on the draft
 stream, so it is the very noise the full row would get) and reports per row
 
-    (noisy max, its token id, that token's raw logit, row max of z, row sum of exp(z - max))
+    (noisy max, its token id, that token's raw logit, row max m_s of z, rest_s)
 
-One gather; the winner is the first shard holding the global noisy max (shards are in vocab
-order, so this is argmax's lowest-id tie rule), and the log-sum-exp of the row is
-gmax + log(sum_s sumexp_s * exp(max_s - gmax)). log q(d) = z_d - lse, with no softmax over V.
+where the shard's row sum-exp is sum exp(z - m_s) = 1 + rest_s (the max element kept apart, so
+that confident rows keep their precision). One gather; the winner is the first shard holding the
+global noisy max (shards are in vocab order, so this is argmax's lowest-id tie rule), and the
+row's log-sum-exp is gmax + log(sum_s (1 + rest_s) exp(m_s - gmax)), computed as
+gmax + log1p(everything but the global max element). log q(d) = z_d - lse, with no softmax over
+V, and the estimator's feature logit(q_max) = -log(that rest) comes for free.
 
 Verification (`vocab_parallel_rejection_sample`), two gathers:
-1. per shard and position, (max z, sum exp(z - max), max raw logit, its id, z of the draft token
+1. per shard and position, (max z, rest sum-exp, max raw logit, its id, z of the draft token
    if the shard owns it): combined into the target's log-sum-exp, log p(d) = z_d - lse and the
    greedy argmax; acceptance then runs on [R, K] values exactly as in rejection_sample.
 2. at each row's first rejection j, each shard forms the residual log max(p - q, 0) of its slice
@@ -56,13 +59,13 @@ from libkk.sample.gumbel import (
     uniform_to_gumbel_,
 )
 from libkk.sample.rejection import ACCEPT_POSITION_SALT
-from libkk.spec.estimator import ONE_HOT_FEATURE, SpeculationInputError, feature_from_lse
+from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE, SpeculationInputError
 
 Gather = Callable[[list[Tensor]], Tensor]
 
 # Per-shard summary layouts (float64, so fp32 values and int64 token ids travel exactly).
-DRAFT_STATS = 5  # noisy max, token id, raw logit of that token, row max of z, row sum-exp
-VERIFY_STATS = 5  # row max of z, row sum-exp, raw max, raw argmax id, z of the draft token
+DRAFT_STATS = 5  # noisy max, token id, raw logit of that token, row max of z, rest sum-exp
+VERIFY_STATS = 5  # row max of z, rest sum-exp, raw max, raw argmax id, z of the draft token
 FINAL_STATS = 5  # noisy max, token id, max before noise, fallback noisy max, fallback id
 
 _CPU_BLOCK_ELEMS = 1 << 20
@@ -140,19 +143,30 @@ def _noisy_argmax(
     return list(zip(best, arg, strict=True))
 
 
-def _max_sumexp(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Row max and sum of exp(z - max) along the last dim; (-inf, 0) for all -inf rows."""
+def _max_restexp(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Row max and sum of exp(z - max) over every element but the (first) max itself, along the
+    last dim; (-inf, 0) for all -inf rows. The row's sum-exp is 1 + rest; keeping the 1 apart
+    keeps logit(q_max) = -log(rest) exact for confident rows."""
     m = z.amax(dim=-1)
     safe = torch.where(m == -math.inf, 0.0, m)
-    return m, torch.exp(z - safe[..., None]).sum(dim=-1)
+    e = torch.exp(z - safe[..., None])
+    e.scatter_(-1, z.argmax(dim=-1, keepdim=True), 0.0)
+    return m, e.sum(dim=-1)
 
 
-def _combine_lse(row_max: Tensor, sumexp: Tensor) -> tuple[Tensor, Tensor]:
-    """Global (max, log-sum-exp) from per-shard [S, ...] row max and sum-exp; fp32 results."""
+def _combine_lse(row_max: Tensor, rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Global (max, log-sum-exp, log of the rest) from per-shard [S, ...] row max and rest
+    sum-exp (`_max_restexp`); fp32 max and lse, float64 log-rest (= -logit(q_max))."""
+    row_max, rest = row_max.double(), rest.double()
     gmax = row_max.amax(dim=0)  # [...]
     safe = torch.where(gmax == -math.inf, 0.0, gmax)
-    total = (sumexp * torch.exp(row_max - safe)).sum(dim=0)
-    return gmax.float(), (safe + torch.log(total)).float()
+    scale = torch.exp(row_max - safe)  # [S, ...]; 1 at the shards holding the max
+    first = (row_max == gmax).to(torch.int8).argmax(dim=0, keepdim=True)
+    others = scale.scatter(0, first, 0.0)  # the global max element itself left out
+    total_rest = (rest * scale + others).sum(dim=0)
+    lse = safe + torch.log1p(total_rest)
+    lse = torch.where(gmax == -math.inf, -math.inf, lse)
+    return gmax.float(), lse.float(), torch.log(total_rest)
 
 
 def _first_max(values: Tensor, payload: Tensor) -> Tensor:
@@ -197,19 +211,20 @@ def draft_shard_stats(
     noisy = torch.where(greedy, raw.amax(dim=-1), noisy)
     token = torch.where(greedy, raw.argmax(dim=-1) + vocab_start, token)
     token_logit = raw.gather(1, (token - vocab_start)[:, None])[:, 0]
-    row_max, sumexp = _max_sumexp(z)
-    return torch.stack([noisy, token.float(), token_logit, row_max, sumexp], dim=-1).double()
+    row_max, rest = _max_restexp(z)
+    return torch.stack([noisy, token.float(), token_logit, row_max, rest], dim=-1).double()
 
 
 def combine_draft_stats(stats: Tensor, temperatures: Tensor) -> DraftSample:
     """Merge the gathered [S, R, DRAFT_STATS] summaries into the drafted tokens."""
-    noisy, token, token_logit, row_max, sumexp = stats.unbind(-1)  # [S, R] each
+    noisy, token, token_logit, row_max, rest = stats.unbind(-1)  # [S, R] each
     greedy = temperatures == 0
     temp = torch.where(greedy, 1.0, temperatures.float())
     token_ids = _first_max(noisy, token).long()
     z_token = _first_max(noisy, token_logit).float() / temp
-    gmax, lse = _combine_lse(row_max, sumexp)
-    features = torch.where(greedy, ONE_HOT_FEATURE, feature_from_lse(gmax, lse))
+    _, lse, log_rest = _combine_lse(row_max, rest)
+    features = (-log_rest).clamp(-FEATURE_CLAMP, FEATURE_CLAMP).float()
+    features = torch.where(greedy, ONE_HOT_FEATURE, features)
     return DraftSample(token_ids=token_ids, logprobs=z_token - lse, lse=lse, features=features)
 
 
@@ -269,7 +284,7 @@ def verify_shard_stats(
     temp = torch.where(greedy, 1.0, temperatures.float())
     raw = target_logits.float()
     z = raw / temp[:, None, None]  # [R, K+1, Vs]
-    row_max, sumexp = _max_sumexp(z)  # [R, K+1]
+    row_max, rest = _max_restexp(z)  # [R, K+1]
     raw_max = raw.amax(dim=-1)
     raw_arg = raw.argmax(dim=-1) + vocab_start
     valid = torch.arange(k, device=z.device)[None, :] < num_draft[:, None]  # [R, K]
@@ -279,7 +294,7 @@ def verify_shard_stats(
     z_draft = z[:, :k].gather(-1, local.clamp(0, size - 1)[..., None])[..., 0]  # [R, K]
     z_draft = torch.where(owned, z_draft, -math.inf)
     z_draft = torch.cat([z_draft, torch.full_like(z_draft[:, :1], -math.inf)], dim=1)  # [R, K+1]
-    return torch.stack([row_max, sumexp, raw_max, raw_arg.float(), z_draft], dim=-1).double()
+    return torch.stack([row_max, rest, raw_max, raw_arg.float(), z_draft], dim=-1).double()
 
 
 def combine_verify_stats(
@@ -295,7 +310,7 @@ def combine_verify_stats(
 
     draft_logprobs: [R, K] log q(d) (DraftSample.logprobs per slot), None for one-hot drafts.
     """
-    row_max, sumexp, raw_max, raw_arg, z_draft = stats.unbind(-1)  # [S, R, K+1]
+    row_max, rest, raw_max, raw_arg, z_draft = stats.unbind(-1)  # [S, R, K+1]
     num_rows, k1 = row_max.shape[1:]
     k = k1 - 1
     device = row_max.device
@@ -303,7 +318,7 @@ def combine_verify_stats(
     steps = torch.arange(k1, device=device)
     valid = steps[None, :k] < num_draft[:, None]  # [R, K]
     drafts = torch.where(valid, draft_token_ids, 0)
-    _, lse = _combine_lse(row_max, sumexp)  # [R, K+1]
+    _, lse, _ = _combine_lse(row_max, rest)  # [R, K+1]
     target_argmax = _first_max(raw_max, raw_arg).long()  # [R, K+1]
     accept_greedy = target_argmax[:, :k] == drafts
     p_d = z_draft.amax(dim=0)[:, :k].float() - lse[:, :k]  # [R, K]; one shard owns d
