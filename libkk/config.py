@@ -40,6 +40,13 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     # Quantize every linear (attention and MLP projections) on load to FP8 with one scale per
     # 128x128 block: the weights an FP8 per-block checkpoint would load.
     quantization: Literal["fp8_per_block"] | None = None
+    # Packed 4-bit experts (CUDA): keep each MoE layer's scales CSF-compressed on the device and
+    # expand the next layer's on a side stream while the current layer's attention runs.
+    csf_prefetch: bool = False
+    # Opt-in FP8 activations for prefill rows of packed 4-bit experts, only in layers with
+    # calibrated input scales; decode and verification rows always run W4A16. Start-up logs
+    # what each MoE layer's rows run.
+    moe_prefill_activations: Literal["fp8"] | None = None
 
 
 class CacheConfig(msgspec.Struct, **_STRUCT):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from libkk.dist import all_reduce, get_tp_size
+from libkk.kernels.moe import moe_topk_routing
 from libkk.layers.linear import (
     Linear,
     check_shape,
@@ -22,6 +23,7 @@ from libkk.layers.linear import (
     shard_expert_weights,
     tp_split,
 )
+from libkk.layers.quant_moe import QuantFusedMoE, current_moe_options
 
 
 def select_experts(
@@ -157,11 +159,20 @@ class SparseMoeBlock(nn.Module):
         # Tensor parallelism: each rank holds its slice of every expert's intermediate dim and
         # the partial outputs are summed (all-reduce in forward).
         local = len(tp_split(intermediate_size, "moe_intermediate_size"))
-        self.experts = FusedMoE(num_experts, hidden_size, local)
-        shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
+        opts = current_moe_options()
+        self.experts: nn.Module
+        if opts.weight_format is not None:  # packed 4-bit experts, fused kernels (CUDA, tp=1)
+            self.experts = QuantFusedMoE(num_experts, hidden_size, local, opts.weight_format, opts)
+        else:
+            self.experts = FusedMoE(num_experts, hidden_size, local)
+            shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if isinstance(self.experts, QuantFusedMoE) and hidden.is_cuda:
+            # no host sync: the whole packed path can be captured in a CUDA graph
+            weights, ids = moe_topk_routing(router_logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = self.experts(hidden, weights, ids)  # [num_tokens, hidden]
         return all_reduce(out) if get_tp_size() > 1 else out

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from libkk.dist import get_tp_size
 from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from libkk.layers.quant_moe import MoeOptions, finalize_moe_layers, moe_options
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
 from libkk.models.sharded_read import ShardedReader, check_csf_split
@@ -53,6 +54,8 @@ def load_model(
     progress: bool = True,
     moe_weight_format: str | None = None,
     quantization: str | None = None,
+    csf_prefetch: bool = False,
+    moe_prefill_activations: str | None = None,
 ) -> tuple[nn.Module, ArchConfig]:
     """Reads config.json, builds the model on `device` in `dtype` and fills every parameter.
 
@@ -69,7 +72,8 @@ def load_model(
     quant = _read_quant_config(model_dir)
     if quant is not None and quant.get("csf") and config.is_moe:
         check_csf_split(config.moe_intermediate_size, "experts' gate/up projections")
-    with torch.device(device), _default_dtype(dtype):
+    moe = _moe_options(model_dir, device, moe_weight_format, csf_prefetch, moe_prefill_activations)
+    with torch.device(device), _default_dtype(dtype), moe_options(moe):
         model = model_cls(config)
     model.eval()
     # Tensor parallelism: each rank reads only its part of each tensor (libkk.models.sharded_read).
@@ -92,7 +96,7 @@ def load_model(
             # Quantized on load through the same path a quantized checkpoint takes.
             tensors = quantize_stream(tensors, moe_weight_format)
             quant = quant_config(moe_weight_format)
-        if quant is not None:  # 4-bit experts: dequantized as they are read
+        if quant is not None and moe.weight_format is None:  # 4-bit experts: dequantized on read
             tensors = dequantize_stream(tensors, quant, dtype)
         if quantization == "fp8_per_block":  # linears quantized on load, as a checkpoint holds them
             tensors = fp8_block_quantize_stream(tensors)
@@ -107,7 +111,8 @@ def load_model(
                 raise CorruptCheckpointError(f"{e} (in {current[0]})") from None
             raise
 
-    expected = {name for name, _ in model.named_parameters()}
+    # Optional parameters (calibrated activation scales) may be absent from a checkpoint.
+    expected = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}
     missing = sorted(expected - loaded)
     if missing:
         listed = ", ".join(missing[:_MAX_LISTED])
@@ -123,6 +128,7 @@ def load_model(
             f"checkpoint in {str(model_dir)!r} lacks {len(missing)} weight(s) the model needs: "
             f"{listed}{more}{hint}"
         )
+    finalize_moe_layers(model, moe)
     return model, config
 
 
@@ -140,6 +146,23 @@ def _read_quant_config(model_dir: Path) -> dict | None:
             "(supported: NVFP4, MXFP4)"
         )
     return config
+
+
+def _moe_options(
+    model_dir: Path,
+    device: torch.device,
+    moe_weight_format: str | None,
+    csf_prefetch: bool,
+    prefill_activations: str | None,
+) -> MoeOptions:
+    """4-bit experts stay packed (fused kernels) on CUDA with one rank; elsewhere they are
+    dequantized on load and run the plain torch path."""
+    from libkk.dist import get_tp_size
+
+    quant = _read_quant_config(model_dir)
+    fmt = str(quant["quant_algo"]).lower() if quant is not None else moe_weight_format
+    packed = fmt is not None and torch.device(device).type == "cuda" and get_tp_size() == 1
+    return MoeOptions(fmt if packed else None, csf_prefetch, prefill_activations)
 
 
 def read_arch_config(model_dir: Path) -> ArchConfig:

@@ -8,9 +8,12 @@ Both load into `mlp.experts.w13_weight` / `w2_weight`.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from torch import nn
 
 from libkk.layers.moe import SparseMoeBlock
+from libkk.layers.quant_moe import map_expert_part_name
 from libkk.models.arch_config import ArchConfig
 from libkk.models.llama import LlamaForCausalLM
 
@@ -27,3 +30,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
             intermediate_size=config.moe_intermediate_size,
             renormalize=True,
         )
+
+    def _map_weight_name(self, name: str) -> tuple[str, Hashable] | None:
+        # The parts of a 4-bit expert weight (scales, global and input scales) load by expert.
+        for old, new in self.weight_renames:
+            name = name.replace(old, new)
+        return map_expert_part_name(name, self.expert_weights) or super()._map_weight_name(name)

@@ -10,9 +10,12 @@ transformers 5 saves) or the stacked `mlp.experts.gate_up_proj` / `mlp.experts.d
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from torch import nn
 
 from libkk.layers.moe import SparseMoeBlock
+from libkk.layers.quant_moe import map_expert_part_name
 from libkk.models.arch_config import ArchConfig
 from libkk.models.llama import LlamaMLP
 from libkk.models.qwen3 import Qwen3ForCausalLM
@@ -32,3 +35,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             intermediate_size=config.moe_intermediate_size,
             renormalize=config.norm_topk_prob,
         )
+
+    def _map_weight_name(self, name: str) -> tuple[str, Hashable] | None:
+        # The parts of a 4-bit expert weight (scales, global and input scales) load by expert.
+        for old, new in self.weight_renames:
+            name = name.replace(old, new)
+        return map_expert_part_name(name, self.expert_weights) or super()._map_weight_name(name)

@@ -1,0 +1,368 @@
+"""4-bit experts kept packed on the GPU: NVFP4/MXFP4 weights run by the fused W4A16 kernels.
+
+Parameters of a packed layer (E experts, hidden H, intermediate I, block size G = 16 or 32):
+  w13_weight         uint8 [E, 2I, H/2]  gate rows then up rows, two E2M1 codes per byte
+  w13_weight_scale   uint8 [E, 2I, H/G]  scale bytes (NVFP4: E4M3, MXFP4: E8M0)
+  w13_weight_scale_2 fp32  [E, 2]        NVFP4 global scale of gate and of up (MXFP4: ones buffer)
+  w13_input_scale    fp32  [E, 2]        calibrated activation scales; zeros = not calibrated
+  w2_weight / w2_weight_scale / w2_weight_scale_2 [E, 1] / w2_input_scale [E, 1]: the down proj
+Checkpoint parts (`experts.<e>.<proj>.weight|weight_scale|weight_scale_2|input_scale|
+weight_scale_csf`) load by shard id (expert, part) like the bf16 experts do.
+
+With `csf_prefetch`, a layer keeps its scales CSF-compressed on the device (libkk.quant.csf) and a
+shared prefetcher expands them into one of two preallocated buffers on a side stream, started when
+the same decoder layer's attention starts and joined with a CUDA event before the experts run.
+Layer n uses buffer n % 2: the side stream only starts after the main stream reached layer n's
+attention, so the MoE of layer n - 2, the last reader of that buffer, has already been issued
+before it on the main stream. Nothing is allocated in the replayed path.
+
+The forward never reads a count on the host, so a packed layer can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Hashable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from libkk.errors import CorruptCheckpointError, UnsupportedModelError
+from libkk.kernels._jit import INTERPRETED
+from libkk.kernels.csf import csf_expand, max_records_per_slab
+from libkk.kernels.moe import GROUP, fused_moe_w4a16, fused_moe_w4a16_ref
+from libkk.layers.linear import check_shape
+from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
+
+logger = logging.getLogger("libkk")
+
+# Checkpoint part suffix -> parameter suffix
+_PARTS = {
+    "weight_scale_csf": "weight_scale",
+    "weight_scale_2": "weight_scale_2",
+    "weight_scale": "weight_scale",
+    "input_scale": "input_scale",
+}
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """How the MoE layers of a model being built hold and run their experts."""
+
+    weight_format: str | None = None  # "nvfp4" | "mxfp4": packed experts; None: dense
+    csf_prefetch: bool = False
+    prefill_activations: str | None = None  # None | "fp8" (opt-in; see `describe`)
+
+
+_OPTIONS: ContextVar[MoeOptions | None] = ContextVar("libkk_moe_options", default=None)
+
+
+@contextlib.contextmanager
+def moe_options(options: MoeOptions) -> Iterator[None]:
+    """MoE layers constructed inside this block follow `options` (the loader sets it)."""
+    token = _OPTIONS.set(options)
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def current_moe_options() -> MoeOptions:
+    return _OPTIONS.get() or MoeOptions()
+
+
+def map_expert_part_name(
+    name: str, expert_weights: dict[str, tuple[str, int]]
+) -> tuple[str, Hashable] | None:
+    """`...experts.<e>.<proj>.<part>` -> (`...experts.<w13|w2>_<part>`, (e, part index)), for the
+    quantized parts of a per-expert weight; None for any other name."""
+    stem, sep, part = name.rpartition(".")
+    if not sep or part not in _PARTS:
+        return None
+    head, _, proj = stem.rpartition(".")
+    prefix, _, expert = head.rpartition(".")
+    if not expert.isdigit() or not prefix.endswith(".experts") or proj not in expert_weights:
+        return None
+    param, index = expert_weights[proj]
+    return f"{prefix}.{param.removesuffix('_weight')}_{_PARTS[part]}", (int(expert), index)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader, shard_ids, zero: bool = False):
+    data = torch.zeros(shape, dtype=dtype) if zero else torch.empty(shape, dtype=dtype)
+    p = nn.Parameter(data, requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.shard_ids = shard_ids  # type: ignore[attr-defined]
+    return p
+
+
+class QuantFusedMoE(nn.Module):
+    """The experts of one MoE layer as packed 4-bit weights (same forward contract as FusedMoE)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        weight_format: str,
+        options: MoeOptions | None = None,
+    ) -> None:
+        super().__init__()
+        if weight_format not in GROUP:
+            raise UnsupportedModelError(
+                f"expert weight format {weight_format!r} is not supported (nvfp4, mxfp4)"
+            )
+        g = GROUP[weight_format]
+        for what, size in (
+            ("hidden_size", hidden_size),
+            ("moe_intermediate_size", intermediate_size),
+        ):
+            if size % g or size % 32:
+                raise UnsupportedModelError(
+                    f"{what}={size} must be a multiple of {max(g, 32)} for {weight_format} experts"
+                )
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.weight_format = weight_format
+        self.options = options or current_moe_options()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        w13_shards = frozenset((x, j) for x in range(e) for j in (0, 1))
+        w2_shards = frozenset((x, 0) for x in range(e))
+        load = self._load
+        self.w13_weight = _param((e, 2 * i, h // 2), torch.uint8, load, w13_shards)
+        self.w13_weight_scale = _param((e, 2 * i, h // g), torch.uint8, load, w13_shards)
+        self.w2_weight = _param((e, h, i // 2), torch.uint8, load, w2_shards)
+        self.w2_weight_scale = _param((e, h, i // g), torch.uint8, load, w2_shards)
+        if weight_format == "nvfp4":
+            self.w13_weight_scale_2 = _param((e, 2), torch.float32, load, w13_shards)
+            self.w2_weight_scale_2 = _param((e, 1), torch.float32, load, w2_shards)
+        else:  # MXFP4 has no global scale; the kernels ignore these
+            self.register_buffer("w13_weight_scale_2", torch.ones(e, 2), persistent=False)
+            self.register_buffer("w2_weight_scale_2", torch.ones(e, 1), persistent=False)
+        # Stored only when calibrated (ModelOpt writes input_scale then): optional parameters.
+        self.w13_input_scale = _param((e, 2), torch.float32, load, w13_shards, zero=True)
+        self.w2_input_scale = _param((e, 1), torch.float32, load, w2_shards, zero=True)
+        self.w13_input_scale.optional = True  # type: ignore[attr-defined]
+        self.w2_input_scale.optional = True  # type: ignore[attr-defined]
+        self._prefetch: _CsfLayer | None = None
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _load(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None
+    ) -> None:
+        if shard_id is None:
+            raise UnsupportedModelError(
+                f"{name!r}: stacked expert tensors cannot load into 4-bit experts; quantized "
+                "experts load from per-expert checkpoint tensors (experts.<e>.<proj>.weight)"
+            )
+        expert, part = shard_id  # type: ignore[misc]
+        is_w13 = any(param is p for p in (self.w13_weight, self.w13_weight_scale,
+                                          self.w13_weight_scale_2, self.w13_input_scale))  # fmt: skip
+        if param.dim() == 2:  # a per-tensor scalar: global or input scale
+            if loaded.numel() != 1:
+                raise CorruptCheckpointError(
+                    f"tensor {name!r} has shape {tuple(loaded.shape)}, expected one value"
+                )
+            param.data[expert, part if is_w13 else 0] = loaded.reshape(()).float()
+            return
+        if name.endswith("_csf"):
+            loaded = decode_csf(CSFTensor.from_bytes(loaded.cpu().numpy().tobytes()))[0]
+        elif loaded.dtype == torch.float8_e4m3fn:
+            loaded = loaded.view(torch.uint8)
+        if loaded.dtype != torch.uint8:
+            raise CorruptCheckpointError(
+                f"tensor {name!r} is {loaded.dtype}; packed {self.weight_format} expert weights "
+                "and scales are uint8 (or float8_e4m3fn scales)"
+            )
+        target = param.data[expert]
+        if is_w13:
+            rows = self.intermediate_size
+            target = target.narrow(0, part * rows, rows)
+        check_shape(name, target.shape, loaded.shape)
+        target.copy_(loaded)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 scales, w2 scales) for this forward: the parameters, or the prefetched buffers."""
+        if self._prefetch is None:
+            return self.w13_weight_scale, self.w2_weight_scale
+        return self._prefetch.take()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        s13, s2 = self.scales()
+        args = (hidden, self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
+                self.w2_weight_scale_2, topk_weights, topk_ids, self.weight_format)  # fmt: skip
+        if hidden.device.type == "cuda" or INTERPRETED:
+            return fused_moe_w4a16(*args)
+        return fused_moe_w4a16_ref(*args)  # a packed layer on the CPU: dequantize and loop
+
+    def input_scales_calibrated(self) -> bool:
+        return bool((self.w13_input_scale > 0).all()) and bool((self.w2_input_scale > 0).all())
+
+    def describe(self) -> str:
+        """What each row type runs, for the start-up log."""
+        fmt = self.weight_format.upper()
+        w4 = f"W4A16 ({fmt} weights, bf16/fp16 activations)"
+        if self.options.prefill_activations != "fp8":
+            prefill = f"{w4}; FP8 activations not requested"
+        elif not self.input_scales_calibrated():
+            prefill = (
+                f"{w4}; FP8 activations requested but the layer has no calibrated input scales"
+            )
+        else:
+            prefill = (
+                f"{w4}; FP8 activations requested, scales present, but no FP8-activation kernel"
+            )
+        csf = ", scales CSF-prefetched" if self._prefetch is not None else ""
+        return f"decode/verify rows: {w4}; prefill rows: {prefill}{csf}"
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, format={self.weight_format}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# CSF prefetch
+
+
+@dataclass
+class _CsfPlanes:
+    kind: str
+    base: torch.Tensor
+    offsets: torch.Tensor
+    records: torch.Tensor
+    record_offsets: torch.Tensor
+    max_records: int
+
+    @classmethod
+    def encode(cls, scales: torch.Tensor, kind: str, device: torch.device) -> _CsfPlanes:
+        t = encode_csf(scales.cpu(), kind)
+        records = t.records if t.num_exceptions else torch.zeros(1, dtype=torch.int32)
+        return cls(
+            kind,
+            t.base.to(device),
+            t.offsets.to(device),
+            records.to(device),
+            t.record_offsets.to(device),
+            max_records_per_slab(t.record_offsets),
+        )
+
+    def expand(self, out: torch.Tensor) -> None:
+        # `records` always holds at least one word, so the op allocates nothing (graph replay).
+        csf_expand(
+            self.kind, self.base, self.offsets, self.records, self.record_offsets, out,
+            self.max_records,
+        )  # fmt: skip
+
+
+class _CsfLayer:
+    """One packed layer's compressed scales and its pair of events."""
+
+    def __init__(self, owner: CsfPrefetcher, layer: QuantFusedMoE, slot: int) -> None:
+        dev = layer.w13_weight.device
+        self.owner = owner
+        self.slot = slot
+        self.w13 = _CsfPlanes.encode(layer.w13_weight_scale.data, layer.weight_format, dev)
+        self.w2 = _CsfPlanes.encode(layer.w2_weight_scale.data, layer.weight_format, dev)
+        self.ready = torch.cuda.Event()
+        self.done = torch.cuda.Event()
+        self.pending = False
+
+    def start(self) -> None:
+        """Expand this layer's scales on the side stream once the main stream gets here."""
+        main = torch.cuda.current_stream()
+        self.ready.record(main)
+        side = self.owner.stream
+        side.wait_event(self.ready)
+        b13, b2 = self.owner.buffers[self.slot]
+        with torch.cuda.stream(side):
+            self.w13.expand(b13)
+            self.w2.expand(b2)
+            self.done.record(side)
+        self.pending = True
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b13, b2 = self.owner.buffers[self.slot]
+        if self.pending:
+            torch.cuda.current_stream().wait_event(self.done)
+            self.pending = False
+        else:  # no prefetch was started (no hook ran): expand in line, on this stream
+            self.w13.expand(b13)
+            self.w2.expand(b2)
+        return b13, b2
+
+
+class CsfPrefetcher:
+    """The side stream and the two scale buffers shared by every packed layer of a model."""
+
+    def __init__(self, layers: list[QuantFusedMoE]) -> None:
+        first = layers[0]
+        dev = first.w13_weight.device
+        shapes = {(tuple(m.w13_weight_scale.shape), tuple(m.w2_weight_scale.shape)) for m in layers}
+        if len(shapes) != 1:
+            raise UnsupportedModelError(
+                f"csf_prefetch needs every MoE layer to have the same scale shapes, got {shapes}"
+            )
+        ((s13, s2),) = shapes
+        self.stream = torch.cuda.Stream(device=dev)
+        self.buffers = [
+            (torch.empty(s13, dtype=torch.uint8, device=dev),
+             torch.empty(s2, dtype=torch.uint8, device=dev))
+            for _ in range(2)
+        ]  # fmt: skip
+        for n, layer in enumerate(layers):
+            layer._prefetch = _CsfLayer(self, layer, n % 2)
+            # The expanded scales now live in the shared buffers only.
+            empty = torch.empty(0, dtype=torch.uint8, device=dev)
+            layer.w13_weight_scale.data = empty
+            layer.w2_weight_scale.data = empty.clone()
+
+
+def finalize_moe_layers(model: nn.Module, options: MoeOptions) -> list[str]:
+    """After loading: set up CSF prefetch (CUDA, packed experts) and log one line per MoE layer
+    naming what each row type runs. Returns the logged lines."""
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantFusedMoE)]
+    if options.csf_prefetch and packed:
+        if packed[0][1].w13_weight.device.type == "cuda":
+            CsfPrefetcher([m for _, m in packed])
+            _install_prefetch_hooks(model)
+        else:
+            logger.info("csf_prefetch: ignored on %s (CUDA only)", packed[0][1].w13_weight.device)
+    lines = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantFusedMoE):
+            lines.append(f"MoE {name}: {module.describe()}")
+        elif type(module).__name__ == "FusedMoE":
+            dtype = module.w13_weight.dtype
+            extra = ""
+            if options.prefill_activations == "fp8":
+                extra = "; FP8 activations need packed 4-bit experts on CUDA"
+            lines.append(
+                f"MoE {name}: all rows run {str(dtype).removeprefix('torch.')} experts "
+                f"(plain torch path){extra}"
+            )
+    for line in lines:
+        logger.info("%s", line)
+    return lines
+
+
+def _install_prefetch_hooks(model: nn.Module) -> None:
+    """Start each packed layer's scale expansion when its decoder layer's attention starts."""
+    for module in model.modules():
+        experts = getattr(getattr(module, "mlp", None), "experts", None)
+        attn = getattr(module, "self_attn", None)
+        if isinstance(experts, QuantFusedMoE) and attn is not None and experts._prefetch:
+            prefetch = experts._prefetch
+            attn.register_forward_pre_hook(lambda _m, _a, _p=prefetch: _p.start())
