@@ -166,12 +166,23 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
             raise ValueError("adaptive_verification needs a speculative method")
 
 
+class ParallelConfig(msgspec.Struct, **_STRUCT):
+    # Tensor parallelism: the model's heads, MLP/expert widths and vocabulary split across this many
+    # ranks. Rank 0 runs in the caller's process, ranks 1..N-1 in worker processes libkk starts
+    # and stops with the Session (CUDA: rank r on cuda:r, NCCL; CPU: gloo).
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # A worker that does not start, or a collective that does not complete, within this many
+    # seconds fails the Session (a worker that exits fails it at once).
+    worker_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+
+
 class EngineConfig(msgspec.Struct, **_STRUCT):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # A request with no progress for this long is logged with its timeline.
     stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
@@ -247,6 +258,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "compilation": CompilationConfig,
     "speculative": SpeculativeConfig,
+    "parallel": ParallelConfig,
 }
 _FIELD_TO_SECTION = {f: name for name, t in _SECTIONS.items() for f in t.__struct_fields__}
 _TOP_FIELDS = {f for f in EngineConfig.__struct_fields__ if f not in _SECTIONS}

@@ -204,13 +204,17 @@ class Session:
     # ---- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Aborts what is still running and releases the model and KV cache memory."""
+        """Aborts what is still running, stops tensor-parallel workers and releases the model
+        and KV cache memory."""
         with self._lock:
             engine, self._engine = self._engine, None
             if engine is None:
                 return
-            for rid in list(engine.scheduler.requests):
-                engine.abort_request(rid)
+            try:
+                for rid in list(engine.scheduler.requests):
+                    engine.abort_request(rid)
+            finally:
+                engine.shutdown()
             self._queues.clear()
             self._stepped.clear()
             device = engine.device

@@ -19,6 +19,7 @@ from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.detokenizer import IncrementalDetokenizer
+from libkk.engine.executor import TensorParallelError, TPExecutor
 from libkk.engine.outputs import Logprob, RequestOutput
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
@@ -61,6 +62,10 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        # Tensor parallelism: workers start and load their slices while this rank loads its own.
+        self.executor: TPExecutor | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.executor = TPExecutor(config, self.model_dir, self.device)
         self.model, self.arch = load_model(
             self.model_dir,
             self.dtype,
@@ -78,7 +83,7 @@ class Engine:
         bytes_per_block = kv_cache_bytes_per_block(
             self.arch.num_layers,
             block_size,
-            self.arch.num_kv_heads,
+            self.model.num_kv_heads,  # this rank's
             self.arch.head_dim,
             self.kv_dtype,
         )
@@ -97,7 +102,7 @@ class Engine:
             self.arch.num_layers,
             self.num_blocks,
             block_size,
-            self.arch.num_kv_heads,
+            self.model.num_kv_heads,  # this rank's
             self.arch.head_dim,
             self.kv_dtype,
             self.device,
@@ -110,6 +115,8 @@ class Engine:
             host_tier=self.host_tier,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        if self.executor is not None:  # every rank allocates the same blocks
+            self.executor.plan_kv_cache(self.num_blocks, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -122,6 +129,8 @@ class Engine:
             capturable=not self.arch.is_moe,
             progress=config.progress,
         )
+        if self.executor is not None:  # steps go to every rank from here on
+            self.runner = self.executor.wrap(self.runner)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
@@ -142,6 +151,11 @@ class Engine:
                 f"least {bytes_per_block} bytes"
             )
         return HostKVTier(kv_caches, num_host_blocks)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def stats(self) -> dict[str, int]:
         """Prefix-cache and host-tier counters (tokens for the prefix cache, blocks and bytes for
@@ -271,6 +285,8 @@ class Engine:
         outputs: list[RequestOutput] = []
         try:
             runner_out = self.runner.execute(sched_out)
+        except TensorParallelError:
+            raise  # the ranks may be out of step: no retry, the session fails
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
             logger.warning(
                 "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e

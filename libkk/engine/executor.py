@@ -1,0 +1,448 @@
+"""Tensor-parallel execution: rank 0 in the caller's process, ranks 1..N-1 in worker processes.
+
+Start-up (the Engine drives rank 0 through these calls):
+
+    executor = TPExecutor(config, model_dir, device)   spawn workers, join the group (rank 0)
+    load_model(...)                                     every rank loads only its slices
+    executor.plan_kv_cache(num_blocks, max_model_len)   rank 0 sizes the KV cache for all ranks
+    ModelRunner(...)                                    every rank builds its runner (and graphs)
+    runner = executor.wrap(runner)                      waits until every worker is ready
+
+Each step, `TPModelRunner.execute` broadcasts the plain-data SchedulerOutput over the gloo control
+group, then every rank runs its ModelRunner on it; the forward's collectives keep them in step.
+Every rank computes the full-vocabulary logits; rank 0's sampled tokens are the step's result.
+
+Failure: a worker reports its exception over its pipe and exits; rank 0 checks the workers before
+each step and converts a failed collective into `TensorParallelError` naming the worker, its exit
+code and its error. Collectives time out after `parallel.worker_timeout_s`, so a worker that hangs
+fails the Session instead of blocking it. After a failure the Session refuses further steps:
+the ranks may no longer be in step. `shutdown` stops the workers (politely, then by signal).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from libkk.config import EngineConfig
+from libkk.dist import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from libkk.errors import ConfigError, LibkkError
+from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.model_runner import ModelRunner
+from libkk.sample.sampler import SamplerOutput
+
+logger = logging.getLogger("libkk")
+
+_POLL_S = 0.05
+_STOP_GRACE_S = 10.0
+
+
+class TensorParallelError(LibkkError, RuntimeError):
+    """A tensor-parallel worker failed or stopped answering; the Session cannot run further steps."""
+
+
+def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
+    """Rejects settings that tensor parallelism does not support (yet)."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return
+    unsupported = {
+        "speculative.method": config.speculative.method is not None,
+        "model.shared_host_tables": config.model.shared_host_tables,
+        "cache.kv_offload_bytes": config.cache.kv_offload_bytes is not None,
+    }
+    for field, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"{field} is not supported with tensor_parallel_size={size} yet: "
+                "expected tensor_parallel_size=1 or the setting left at its default"
+            )
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(
+            f"tensor_parallel_size={size} needs {size} CUDA devices; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TPExecutor:
+    """Rank 0's handle on the workers: start, per-step broadcast, liveness, shutdown."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device) -> None:
+        check_parallel_config(config, device)
+        self.size = config.parallel.tensor_parallel_size
+        self.timeout_s = config.parallel.worker_timeout_s
+        self.failure: str | None = None
+        self._closed = False
+        self._ready = False  # every worker is in its step loop (a stop message reaches it)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config_json = msgspec.json.encode(config)
+        self.procs: list[_WorkerProcess] = []
+        self.pipes: list[Connection] = []
+        self._errors: dict[int, str] = {}
+        for rank in range(1, self.size):
+            args = (rank, self.size, init_method, config_json, str(model_dir), os.getpid())
+            proc, pipe = _WorkerProcess.start(args)
+            self.procs.append(proc)
+            self.pipes.append(pipe)
+        _LIVE.add(self)
+        try:
+            self._wait_for("started", deadline=time.monotonic() + self.timeout_s)
+            if device.type == "cuda":
+                torch.cuda.set_device(0)
+            init_tensor_parallel(0, self.size, init_method, rank_device(device, 0), self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def plan_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Waits until every worker has loaded its weights, then sends the KV cache size (every
+        rank allocates the same block count: block ids are shared)."""
+        self._wait_for("loaded", deadline=None)
+        self._guard(lambda: broadcast_object({"num_blocks": num_blocks, "max_len": max_model_len}))
+
+    def wrap(self, runner: ModelRunner) -> TPModelRunner:
+        """Waits until every worker built its runner; returns rank 0's step entry."""
+        self._wait_for("ready", deadline=None)
+        self._ready = True
+        return TPModelRunner(runner, self)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        """Raises TensorParallelError if a worker exited or reported an error."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel workers were shut down")
+        for rank, (proc, pipe) in enumerate(zip(self.procs, self.pipes, strict=True), start=1):
+            self._drain(rank, pipe)
+            if proc.exitcode is not None or rank in self._errors:
+                self._fail(rank, "")
+
+    def run_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_alive()
+        return self._guard(lambda: (broadcast_object(sched_out), runner.execute(sched_out))[1])
+
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except TensorParallelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure leaves the ranks out of step
+            # Give a dying worker a moment to exit, so the message names it.
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if any(p.exitcode is not None for p in self.procs):
+                    break
+                time.sleep(_POLL_S)
+            for rank, (proc, pipe) in enumerate(zip(self.procs, self.pipes, strict=True), 1):
+                self._drain(rank, pipe)
+                if proc.exitcode is not None or rank in self._errors:
+                    self._fail(rank, f" (rank 0 saw {type(e).__name__}: {e})")
+            self.failure = (
+                f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e}); the ranks "
+                "may be out of step, so the session cannot continue: close it"
+            )
+            raise TensorParallelError(self.failure) from e
+
+    def _fail(self, rank: int, context: str) -> None:
+        proc = self.procs[rank - 1]
+        if proc.exitcode is None:
+            proc.join(0.5)
+        code = proc.exitcode
+        status = "is alive" if code is None else f"exited with code {code}"
+        error = self._errors.get(rank)
+        detail = f": {error}" if error else ""
+        self.failure = (
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {status}{detail}{context}; "
+            "the session cannot continue: close it and start a new one"
+        )
+        raise TensorParallelError(self.failure)
+
+    # ---- messages from workers ------------------------------------------------------------
+
+    def _drain(self, rank: int, pipe: Connection) -> list[tuple]:
+        got = []
+        try:
+            while pipe.poll():
+                msg = pipe.recv()
+                if msg[0] == "error":
+                    self._errors[rank] = msg[1]
+                got.append(msg)
+        except (EOFError, OSError):
+            pass
+        return got
+
+    def _wait_for(self, what: str, deadline: float | None) -> None:
+        """Waits until every worker sent `what`; fails on an exit, an error or the deadline."""
+        pending = set(range(1, self.size))
+        while pending:
+            for rank in sorted(pending):
+                pipe, proc = self.pipes[rank - 1], self.procs[rank - 1]
+                for msg in self._drain(rank, pipe):
+                    if msg[0] == what:
+                        pending.discard(rank)
+                if rank in self._errors or (rank in pending and proc.exitcode is not None):
+                    self._fail(rank, f" while waiting for it to be {what}")
+            if pending and deadline is not None and time.monotonic() > deadline:
+                ranks = ", ".join(map(str, sorted(pending)))
+                self.failure = (
+                    f"tensor-parallel worker rank(s) {ranks} not {what} after "
+                    f"{self.timeout_s:.0f}s (parallel.worker_timeout_s)"
+                )
+                raise TensorParallelError(self.failure)
+            if pending:
+                time.sleep(_POLL_S)
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops every worker (a stop message, then SIGTERM, then SIGKILL) and leaves the group.
+        Idempotent; after it no worker process of this executor exists."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        healthy = self.failure is None and all(p.exitcode is None for p in self.procs)
+        healthy = healthy and self._ready
+        if healthy and self.procs and _group_joined():
+            try:
+                broadcast_object(None)  # workers leave their loop and exit
+            except Exception as e:  # noqa: BLE001 - fall through to signals
+                logger.debug("stop broadcast failed: %s", e)
+        deadline = time.monotonic() + (_STOP_GRACE_S if healthy else 0.0)
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(2.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(2.0)
+        for pipe in self.pipes:
+            pipe.close()
+        destroy_tensor_parallel()
+
+    def __del__(self) -> None:  # an Engine that failed to start drops its executor
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class TPModelRunner:
+    """Rank 0's runner under tensor parallelism: broadcasts each step, then runs it locally.
+
+    Every other attribute is the wrapped ModelRunner's.
+    """
+
+    def __init__(self, runner: ModelRunner, executor: TPExecutor) -> None:
+        self.runner = runner
+        self.executor = executor
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.executor.run_step(self.runner, sched_out)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+class _WorkerProcess:
+    """A worker: a fresh interpreter running `worker_entry` (not multiprocessing's spawn, which
+    re-runs the caller's main module), with a socket pair for its start-up and error messages."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @classmethod
+    def start(cls, args: tuple) -> tuple[_WorkerProcess, Connection]:
+        ours, theirs = socket.socketpair()
+        code = "from libkk.engine.executor import worker_entry; worker_entry()"
+        popen = subprocess.Popen(
+            [_python_executable(), "-c", code, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            close_fds=True,
+        )
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send(args)
+        return cls(popen), conn
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+
+_LIVE: weakref.WeakSet[TPExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for executor in list(_LIVE):
+        executor.shutdown()
+
+
+def _group_joined() -> bool:
+    from libkk.dist import get_tp_size
+
+    return get_tp_size() > 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python_executable() -> str:
+    """The interpreter workers start with: sys.executable, unless this process embeds Python
+    (the C ABI), where it may be the host program."""
+    if os.path.basename(sys.executable or "").startswith("python"):
+        return sys.executable
+    for candidate in (getattr(sys, "_base_executable", ""), sys.exec_prefix + "/bin/python3"):
+        name = os.path.basename(candidate or "")
+        if name.startswith("python") and os.access(candidate, os.X_OK):
+            return candidate
+    return sys.executable
+
+
+# ---- the worker process -------------------------------------------------------------------
+
+
+class _NoSampler:
+    """A worker's stand-in for the Sampler: its tokens are never read (rank 0's are)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
+        return SamplerOutput(token_ids=[0] * len(rows), logprobs=[None] * len(rows))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exits this worker when the process that started it is gone (killed, crashed)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def worker_entry() -> None:
+    """`python -c` entry of a worker: its arguments come first over the socket (argv[1])."""
+    conn = Connection(int(sys.argv[1]))
+    _worker_main(*conn.recv(), conn=conn)
+
+
+def _worker_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    config_json: bytes,
+    model_dir: str,
+    parent_pid: int,
+    *,
+    conn: Connection,
+) -> None:
+    """Rank `rank`: join the group, load this rank's weights, then run every broadcast step."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    code = 0
+    try:
+        from libkk.cache.kv_cache import allocate_kv_caches
+        from libkk.engine.engine import resolve_device, resolve_dtype
+        from libkk.models.loader import load_model
+
+        config = msgspec.json.decode(config_json, type=EngineConfig)
+        device = rank_device(resolve_device(config.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        dtype = resolve_dtype(config.model.dtype, device)
+        conn.send(("started",))
+        init_tensor_parallel(rank, size, init_method, device, config.parallel.worker_timeout_s)
+        model, arch = load_model(
+            Path(model_dir),
+            dtype,
+            device,
+            progress=False,
+            moe_weight_format=config.model.moe_weight_format,
+            quantization=config.model.quantization,
+            csf_prefetch=config.model.csf_prefetch,
+            moe_prefill_activations=config.model.moe_prefill_activations,
+        )
+        conn.send(("loaded",))
+        plan = broadcast_object(None)
+        cache = config.cache
+        kv_dtype = torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else dtype
+        kv_caches = allocate_kv_caches(
+            arch.num_layers,
+            plan["num_blocks"],
+            cache.block_size,
+            model.num_kv_heads,
+            arch.head_dim,
+            kv_dtype,
+            device,
+        )
+        runner = ModelRunner(
+            model,
+            kv_caches,
+            cache.block_size,
+            device,
+            compilation=config.compilation,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=plan["max_len"],
+            capturable=not arch.is_moe,
+            progress=False,
+        )
+        # Rank 0 samples: a worker's runner computes the logits (the vocabulary gather is a
+        # collective every rank joins) and skips the sampler.
+        runner.sampler = _NoSampler()
+        conn.send(("ready",))
+        while (step := broadcast_object(None)) is not None:
+            runner.execute(step)
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process exits
+        code = 1
+        try:
+            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            conn.send(("error", detail))
+        except Exception:  # noqa: BLE001 - rank 0 may be gone
+            pass
+        if not isinstance(e, KeyboardInterrupt):
+            traceback.print_exc()
+    finally:
+        destroy_tensor_parallel()
+        conn.close()
+    sys.exit(code)
