@@ -41,6 +41,13 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fal
         metavar="KEY=VALUE",
         help="one engine setting, e.g. --set max_num_seqs=8",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model across N ranks (CUDA: N GPUs; CPU: N processes)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +62,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig.from_file(args.config) if args.config else EngineConfig()
     if args.model is not None:
         config = config.updated(model=args.model)
-    return config.updated(**dict(args.settings))
+    settings = dict(args.settings)
+    if getattr(args, "tensor_parallel_size", None) is not None:
+        settings["tensor_parallel_size"] = args.tensor_parallel_size
+    return config.updated(**settings)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
