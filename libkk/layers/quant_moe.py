@@ -140,8 +140,12 @@ class QuantFusedMoE(nn.Module):
             self.w13_weight_scale_2 = _param((e, 2), torch.float32, load, w13_shards)
             self.w2_weight_scale_2 = _param((e, 1), torch.float32, load, w2_shards)
         else:  # MXFP4 has no global scale; the kernels ignore these
-            self.register_buffer("w13_weight_scale_2", torch.ones(e, 2), persistent=False)
-            self.register_buffer("w2_weight_scale_2", torch.ones(e, 1), persistent=False)
+            self.register_buffer(
+                "w13_weight_scale_2", torch.ones(e, 2, dtype=torch.float32), persistent=False
+            )
+            self.register_buffer(
+                "w2_weight_scale_2", torch.ones(e, 1, dtype=torch.float32), persistent=False
+            )
         # Stored only when calibrated (ModelOpt writes input_scale then): optional parameters.
         self.w13_input_scale = _param((e, 2), torch.float32, load, w13_shards, zero=True)
         self.w2_input_scale = _param((e, 1), torch.float32, load, w2_shards, zero=True)
