@@ -113,7 +113,8 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     method: Literal["ngram", "draft_model", "dflash"] | None = None
     # K: the most drafts verified per request and step.
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
-    # HF-layout folder (or .gguf) of the drafter, for draft_model and dflash.
+    # The drafter: an HF-layout folder (or .gguf) for draft_model; a DFlash drafter folder for
+    # dflash (None there: the drafter shipped for the default model).
     draft_model: str | None = None
     # ngram: the longest suffix of min..max tokens found earlier in the request is matched.
     prompt_lookup_min: PositiveInt = 1
@@ -131,7 +132,7 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         m = self.method
-        if m in ("draft_model", "dflash") and not self.draft_model:
+        if m == "draft_model" and not self.draft_model:
             raise ValueError(f"speculative method {m!r} needs draft_model (a checkpoint path)")
         if m in (None, "ngram") and self.draft_model is not None:
             raise ValueError(

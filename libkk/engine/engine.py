@@ -35,6 +35,9 @@ from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import SamplingRow
+from libkk.spec import make_proposer
+from libkk.spec.base import Proposer, ProposeRequest
 
 logger = logging.getLogger("libkk")
 
@@ -131,6 +134,7 @@ class Engine:
         )
         if self.executor is not None:  # steps go to every rank from here on
             self.runner = self.executor.wrap(self.runner)
+        self.proposer = self._make_proposer()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
@@ -152,21 +156,67 @@ class Engine:
             )
         return HostKVTier(kv_caches, num_host_blocks)
 
+    def _make_proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec.method is None:
+            return None
+        draft_dir = None
+        if spec.method == "draft_model" and spec.draft_model is not None:
+            draft_dir = resolve_model_path(spec.draft_model, progress=self.config.progress)
+        block_size = self.config.cache.block_size
+        lookahead_blocks = -(-spec.num_speculative_tokens // block_size) + 1
+        proposer = make_proposer(
+            self.config,
+            self.model,
+            target_dir=self.model_dir,
+            draft_dir=draft_dir,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=block_size,
+            # The drafter holds what the target holds, plus each request's draft lookahead.
+            num_blocks=self.num_blocks + self.config.scheduler.max_num_seqs * lookahead_blocks,
+            progress=self.config.progress,
+        )
+        # NOTE: adaptive_verification (libkk/spec/adaptive.py) is not wired in yet: every
+        # proposed draft is verified.
+        self.runner.set_speculation(
+            aux_hidden_layers=tuple(proposer.target_layer_ids),
+            synthetic_rates=(
+                spec.synthetic_acceptance_rates
+                if spec.rejection_sample_method == "synthetic"
+                else None
+            ),
+        )
+        return proposer
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any (idempotent)."""
         if self.executor is not None:
             self.executor.shutdown()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Prefix-cache and host-tier counters (tokens for the prefix cache, blocks and bytes for
-        the tier)."""
+        the tier); with speculation, drafts verified and accepted and the mean acceptance length
+        (tokens emitted per request-step that verified drafts)."""
         kv = self.kv_cache_manager
-        stats = {
+        stats: dict[str, int | float] = {
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
         }
+        if self.proposer is not None:
+            sched = self.scheduler
+            stats |= {
+                "spec_num_draft_tokens": sched.num_draft_tokens,
+                "spec_num_accepted_tokens": sched.num_accepted_tokens,
+                "spec_num_verify_steps": sched.num_verify_rows,
+                "spec_mean_acceptance_length": (
+                    sched.num_verified_emitted / sched.num_verify_rows
+                    if sched.num_verify_rows
+                    else 0.0
+                ),
+            }
         if self.host_tier is not None:
             stats |= {
                 "offload_blocks_stored": self.host_tier.num_stored,
@@ -266,6 +316,8 @@ class Engine:
             raise UnknownRequestError(
                 f"unknown request id {request_id!r} (finished or never added)"
             )
+        if self.proposer is not None:
+            self.proposer.remove(request_id)
         return self._make_output(request)
 
     @property
@@ -293,9 +345,68 @@ class Engine:
             )
             runner_out = self._execute_isolated(sched_out, outputs)
         elapsed = time.perf_counter() - start
-        for request in self.scheduler.update(sched_out, runner_out, elapsed):
+        updated = self.scheduler.update(sched_out, runner_out, elapsed)
+        for request in updated:
             outputs.append(self._process_tokens(request))
+        if self.proposer is not None:
+            self._propose(sched_out, runner_out, updated)
         return outputs
+
+    def _propose(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, updated: list[Request]
+    ) -> None:
+        """Drafts for the next step of every request that sampled and goes on."""
+        proposer = self.proposer
+        assert proposer is not None
+        for rid in sched_out.preempted_request_ids:
+            proposer.remove(rid)
+        live = self.scheduler.requests
+        for rid, (start, hidden) in runner_out.aux_hidden.items():
+            request = live.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                proposer.add_context(rid, start, hidden)
+        k = self.config.speculative.num_speculative_tokens
+        asks: list[tuple[Request, ProposeRequest]] = []
+        for request in updated:
+            if request.finished:
+                proposer.remove(request.request_id)
+                continue
+            max_drafts = min(
+                k,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if max_drafts <= 0:
+                continue
+            row = SamplingRow(
+                params=request.params,
+                seed=request.seed,
+                position=request.num_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                banned_token_ids=tuple(request.banned_token_ids()),
+            )
+            asks.append(
+                (
+                    request,
+                    ProposeRequest(
+                        request.request_id, list(request.all_token_ids), row, max_drafts
+                    ),
+                )
+            )
+        if not asks:
+            return
+        proposal = proposer.propose([ask for _, ask in asks])
+        vocab = self.arch.vocab_size
+        for (request, ask), drafts, logits in zip(
+            asks, proposal.token_ids, proposal.draft_logits, strict=True
+        ):
+            drafts = [int(t) for t in drafts[: ask.max_drafts]]
+            if not drafts or any(not 0 <= t < vocab for t in drafts):
+                request.clear_drafts()
+                continue
+            request.spec_token_ids = drafts
+            request.draft_logits = None if logits is None else logits[: len(drafts)]
 
     def _execute_isolated(
         self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
@@ -313,15 +424,26 @@ class Engine:
                 if request is not None:
                     request.error = f"{type(e).__name__}: {e}"
                     outputs.append(self._make_output(request))
+                if self.proposer is not None:
+                    self.proposer.remove(scheduled.request_id)
                 continue
             merged.sampled_token_ids.update(result.sampled_token_ids)
             merged.logprobs.update(result.logprobs)
+            merged.aux_hidden.update(result.aux_hidden)
         return merged
 
     def _process_tokens(self, request: Request) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
         _, num_emitted = self._emitted[request.request_id]
-        stop = detok.update(request.output_token_ids[num_emitted:])
+        stop = None
+        # One token at a time, as without speculation: a stop string inside an accepted run
+        # drops the tokens after it.
+        for j, token in enumerate(request.output_token_ids[num_emitted:]):
+            stop = detok.update([token])
+            if stop is not None:
+                request.truncate_output(num_emitted + j + 1)
+                request.timeline.num_output_tokens = request.num_output_tokens
+                break
         if stop is not None and not request.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop

@@ -3,12 +3,18 @@
 The single scheduling model: a request owes `num_tokens` (prompt + generated) and has
 `num_computed_tokens` of them in the KV cache. Prefill, chunked prefill, prefix hits, decode and
 recompute after preemption are all just different gaps between the two.
+
+Speculative drafts are owed too, but kept apart: `spec_token_ids` are proposed tokens that follow
+`all_token_ids` and are scheduled with the next decode. They never enter `all_token_ids` (the KV
+cache hashes and caches only known tokens); verification appends the accepted ones as output.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+
+import torch
 
 from libkk.engine.timeline import Timeline
 from libkk.sample.params import SamplingParams
@@ -68,6 +74,10 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Drafts to verify at the next decode, and their raw draft logits [n, vocab] (None:
+        # one-hot drafts).
+        self.spec_token_ids: list[int] = []
+        self.draft_logits: torch.Tensor | None = None
         self.num_cached_tokens = 0  # prefix-cache hit of the first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -115,6 +125,20 @@ class Request:
         self._all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.draft_logits = None
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops output tokens past the first num_output_tokens (tokens after a stop string that
+        arrived in the same step)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self._all_token_ids[len(self._all_token_ids) - drop :]
+        del self.output_logprobs[num_output_tokens:]
 
     def check_stop_token(self) -> bool:
         """Finishes the request if its last token is a stop token or it reached its length."""

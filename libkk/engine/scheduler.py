@@ -11,6 +11,12 @@ token; decode: requests that owe exactly one) are weighted-fair-queued by measur
 both have work: a step runs one class only, the one with the smaller virtual runtime, and its time
 is charged as elapsed / s (prefill) or elapsed / (1 - s) (decode). Without contention each class
 runs freely.
+
+Speculative drafts (`Request.spec_token_ids`) ride on a decode: it is scheduled for 1 + n tokens,
+the drafts trimmed to the step's budget and to what max_tokens leaves, and their KV slots
+allocated like any other. After verification `num_computed_tokens` counts the anchor and the
+accepted drafts only; rejected drafts' slots are overwritten by later tokens. Preemption drops
+drafts.
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ class Scheduler:
         self.share: float | None = 0.5 if share == "auto" else share
         self.vruntime = {PREFILL: 0.0, DECODE: 0.0}
         self.num_preemptions = 0
+        # Speculative decoding: drafts verified, accepted, request-steps that verified drafts and
+        # tokens those steps emitted (before stop truncation).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verify_rows = 0
+        self.num_verified_emitted = 0
 
     # ---- queue ----------------------------------------------------------------------------
 
@@ -58,6 +70,7 @@ class Scheduler:
         elif not request.finished:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        request.clear_drafts()
         request.status = status
         request.timeline.finished = time.monotonic()
         return request
@@ -95,7 +108,14 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            if request.spec_token_ids:
+                num_new += self._trim_drafts(request, budget - num_new)
             while self.kv_cache.allocate_slots(request, num_new) is None:
+                if request.spec_token_ids:
+                    # Out of blocks: give up the drafts before preempting anyone.
+                    num_new -= len(request.spec_token_ids)
+                    request.clear_drafts()
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is request:
@@ -139,8 +159,25 @@ class Scheduler:
                 request.timeline.last_progress = now
         return out
 
+    def _trim_drafts(self, request: Request, room: int) -> int:
+        """Keeps at most `room` drafts, and no more than max_tokens leaves room for (n drafts
+        can add n + 1 tokens); returns how many are kept."""
+        n = min(
+            len(request.spec_token_ids), room, request.max_tokens - request.num_output_tokens - 1
+        )
+        n = max(n, 0)
+        if n < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:n]
+            if request.draft_logits is not None:
+                request.draft_logits = request.draft_logits[:n] if n else None
+        if n == 0:
+            request.clear_drafts()
+        return n
+
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        spec = request.spec_token_ids
+        num_new -= len(spec)
         sampling = None
         if start + num_new == request.num_tokens:
             sampling = SamplingRow(
@@ -153,13 +190,16 @@ class Scheduler:
             )
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + spec,
             num_computed_tokens=start,
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             sampling=sampling,
+            spec_token_ids=list(spec),
+            draft_logits=request.draft_logits,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.clear_drafts()
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -180,8 +220,17 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
             new_tokens = runner_out.sampled_token_ids.get(request.request_id)
+            num_spec = scheduled.num_spec_tokens
+            # Rejected drafts' KV is not computed: only the anchor and accepted drafts count.
+            num_accepted = min(len(new_tokens) - 1, num_spec) if new_tokens and num_spec else 0
+            request.num_computed_tokens += scheduled.num_new_tokens - num_spec + num_accepted
+            if num_spec:
+                request.clear_drafts()  # consumed; the proposer gives the next ones
+                self.num_draft_tokens += num_spec
+                self.num_accepted_tokens += num_accepted
+                self.num_verify_rows += 1 if new_tokens else 0
+                self.num_verified_emitted += len(new_tokens) if new_tokens else 0
             if not new_tokens:
                 continue
             logprobs = runner_out.logprobs.get(request.request_id) or [None] * len(new_tokens)

@@ -112,12 +112,22 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Decoder layers whose output hidden states forward also stashes (speculative drafters
+        # read them); see LlamaForCausalLM.set_aux_hidden_layers.
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if i in self.aux_hidden_layers:
+                # The layer's output is the residual stream: the norm input the next layer sees.
+                aux.append(hidden + residual)  # [num_tokens, hidden]
+        if aux:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(ids) * hidden]
         if residual is None:  # a model with no layers
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
@@ -213,6 +223,23 @@ class LlamaForCausalLM(nn.Module):
             return logits
         # NOTE: every rank gathers the full vocabulary for now (rank 0 samples from it).
         return all_gather_last_dim(logits)[:, : self.config.vocab_size]
+
+    def set_aux_hidden_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Makes forward also keep the hidden states after these decoder layers (0-based), in
+        order, as `aux_hidden_states` [num_tokens, len(layer_ids) * hidden]; () turns it off."""
+        bad = [i for i in layer_ids if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"aux hidden layers {bad} out of range [0, {self.config.num_layers})")
+        # Stashed in layer order, so the ids must be given in that order.
+        if list(layer_ids) != sorted(layer_ids):
+            raise ValueError(f"aux hidden layers must be increasing, got {list(layer_ids)}")
+        self.model.aux_hidden_layers = tuple(layer_ids)
+        self.model.aux_hidden_states = None
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor | None:
+        """[num_tokens, len(ids) * hidden] from the last forward, or None when off."""
+        return self.model.aux_hidden_states if self.model.aux_hidden_layers else None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

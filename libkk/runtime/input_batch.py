@@ -17,9 +17,11 @@ class InputBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] int64: the last row of each sampling request
+    # [sum(1 + num_spec)] int64: the last 1 + n rows of each sampling request (n = its drafts).
+    logits_indices: torch.Tensor
     sampling_rows: list[SamplingRow]
     sampling_request_ids: list[str]
+    num_spec: list[int]  # per sampling request: drafts verified this step
 
 
 def build_input_batch(
@@ -49,12 +51,15 @@ def build_input_batch(
         + positions % block_size
     )
 
-    sampling_rows, sampling_ids, logits_indices = [], [], []
+    sampling_rows, sampling_ids, logits_indices, num_spec = [], [], [], []
     for i, r in enumerate(requests):
         if r.sampling is not None:
             sampling_rows.append(r.sampling)
             sampling_ids.append(r.request_id)
-            logits_indices.append(int(query_start_loc[i + 1]) - 1)
+            end = int(query_start_loc[i + 1])
+            n = r.num_spec_tokens
+            logits_indices.extend(range(end - 1 - n, end))
+            num_spec.append(n)
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
@@ -77,4 +82,5 @@ def build_input_batch(
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampling_rows=sampling_rows,
         sampling_request_ids=sampling_ids,
+        num_spec=num_spec,
     )

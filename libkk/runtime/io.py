@@ -7,23 +7,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from libkk.sample.sampler import SamplingRow, TokenLogprobs
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
-    # The tokens to run this step: all_token_ids[num_computed_tokens : num_computed_tokens + n].
+    # The tokens to run this step: all_token_ids[num_computed_tokens : num_computed_tokens + n],
+    # then the drafts to verify (spec_token_ids, the last len(spec_token_ids) of these).
     token_ids: list[int]
     num_computed_tokens: int
     # The request's whole block table (shared with the KV cache manager, read only here).
     block_ids: list[int]
     # Set when this step completes everything the request owes: sample its next token.
     sampling: SamplingRow | None
+    # Drafts verified this step (only with `sampling`): sampling happens at the 1 + n last rows.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # [n, vocab] fp32 raw draft logits (before temperature), or None for one-hot drafts.
+    draft_logits: torch.Tensor | None = None
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
 
 
 @dataclass
@@ -45,6 +56,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # Tokens sampled per request this step (one today; several once drafts are verified).
+    # Tokens sampled per request this step: one, or with n drafts the accepted drafts then one
+    # target token (1 .. n + 1 tokens).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # With aux hidden layers set: per request, (first position, [n, len(ids) * hidden]) hidden
+    # states of the tokens whose KV became final this step (a prefill chunk's rows; the anchor
+    # and the accepted drafts of a verification).
+    aux_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)

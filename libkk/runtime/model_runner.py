@@ -8,12 +8,18 @@ from torch import nn
 from libkk.config import CompilationConfig
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.layers.forward_context import set_forward_context
-from libkk.runtime.input_batch import build_input_batch
+from libkk.runtime.input_batch import InputBatch, build_input_batch
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.verify import verify
 from libkk.sample.sampler import Sampler
 
 
 class ModelRunner:
+    # Speculative decoding (set_speculation): target layers whose hidden states steps return,
+    # and synthetic acceptance rates (None: exact verification).
+    aux_hidden_layers: tuple[int, ...] = ()
+    synthetic_rates: list[float] | None = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -63,19 +69,79 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
         num_tokens = batch.input_ids.shape[0]
-        if self.graphs is not None and self.graphs.can_run(batch.attn_metadata, num_tokens):
+        aux_layers = self.aux_hidden_layers
+        # NOTE: captured graphs do not stash aux hidden states: steps that need them run eagerly.
+        if (
+            self.graphs is not None
+            and not aux_layers
+            and self.graphs.can_run(batch.attn_metadata, num_tokens)
+        ):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
         out = ModelRunnerOutput()
-        if not batch.sampling_rows:
-            return out
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampling, vocab]
-        sampled = self.sampler(logits, batch.sampling_rows)
-        for rid, token, lp in zip(
-            batch.sampling_request_ids, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            out.sampled_token_ids[rid] = [token]
-            out.logprobs[rid] = [lp]
+        if batch.sampling_rows:
+            if any(batch.num_spec):
+                self._sample_with_drafts(sched_out, batch, hidden, out)
+            else:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+                sampled = self.sampler(logits, batch.sampling_rows)
+                for rid, token, lp in zip(
+                    batch.sampling_request_ids, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    out.sampled_token_ids[rid] = [token]
+                    out.logprobs[rid] = [lp]
+        if aux_layers:
+            self._collect_aux_hidden(sched_out, batch, out)
         return out
+
+    def _sample_with_drafts(
+        self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:  # fmt: skip
+        """Plain rows through the sampler, rows with drafts through verification."""
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum(1 + n), vocab]
+        by_id = {r.request_id: r for r in sched_out.requests}
+        plain, plain_rows, plain_at = [], [], []
+        spec, spec_logits = [], []
+        offset = 0
+        for rid, row, n in zip(
+            batch.sampling_request_ids, batch.sampling_rows, batch.num_spec, strict=True
+        ):
+            if n == 0:
+                plain.append(rid)
+                plain_rows.append(row)
+                plain_at.append(offset)
+            else:
+                spec.append(by_id[rid])
+                spec_logits.append(logits[offset : offset + n + 1])  # [1 + n, vocab]
+            offset += n + 1
+        if plain:
+            idx = torch.tensor(plain_at, device=logits.device)
+            sampled = self.sampler(logits[idx], plain_rows)
+            for rid, token, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                out.sampled_token_ids[rid] = [token]
+                out.logprobs[rid] = [lp]
+        results = verify(spec_logits, spec, synthetic_rates=self.synthetic_rates)
+        for r, (tokens, lps) in zip(spec, results, strict=True):
+            out.sampled_token_ids[r.request_id] = tokens
+            out.logprobs[r.request_id] = lps
+
+    def _collect_aux_hidden(
+        self, sched_out: SchedulerOutput, batch: InputBatch, out: ModelRunnerOutput
+    ) -> None:
+        """Hidden states of the rows whose KV is final after this step, per request."""
+        aux = self.model.aux_hidden_states  # [num_tokens, len(ids) * hidden]
+        if aux is None:
+            return
+        starts = batch.attn_metadata.query_start_loc_cpu
+        for i, r in enumerate(sched_out.requests):
+            num_final = r.num_new_tokens - r.num_spec_tokens
+            sampled = out.sampled_token_ids.get(r.request_id)
+            if r.num_spec_tokens and sampled:
+                num_final += len(sampled) - 1  # the accepted drafts
+            out.aux_hidden[r.request_id] = (
+                r.num_computed_tokens,
+                aux[starts[i] : starts[i] + num_final],
+            )

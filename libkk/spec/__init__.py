@@ -1,1 +1,130 @@
+"""Speculative decoding proposers and their registry.
 
+`make_proposer(config, target_model, ...)` picks the proposer class by `config.method`. Entries are
+imported lazily, so a drafter whose module is missing (or needs a missing dependency) fails with a
+ConfigError that names it, only when it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from libkk.errors import ConfigError
+
+if TYPE_CHECKING:
+    from libkk.config import EngineConfig
+    from libkk.spec.base import Proposer
+
+# method -> "module:factory". Factories in this module take (config, target_model, **context);
+# the DFlash proposer takes (config, target_model, device, dtype).
+_REGISTRY: dict[str, str] = {
+    "ngram": "libkk.spec:_make_ngram",
+    "draft_model": "libkk.spec:_make_draft_model",
+    "dflash": "libkk.spec.dflash:DFlashProposer",
+}
+
+
+def register_proposer(method: str, target: str) -> None:
+    """Adds or replaces a registry entry ("package.module:factory")."""
+    _REGISTRY[method] = target
+
+
+def make_proposer(
+    config: EngineConfig,
+    target_model: nn.Module,
+    *,
+    target_dir: Path | None = None,
+    draft_dir: Path | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    progress: bool = False,
+) -> Proposer:
+    """The proposer for `config.speculative.method` (which must be set).
+
+    target_dir: the target's checkpoint folder (tokenizer checks); draft_dir: the resolved drafter
+    folder (config.draft_model after GGUF conversion); num_blocks/block_size: the drafter's own
+    KV pool.
+    """
+    method = config.speculative.method
+    if method is None:
+        raise ConfigError("make_proposer needs a speculative method, got method=None")
+    target = _REGISTRY.get(method)
+    if target is None:
+        raise ConfigError(
+            f"unknown speculative method {method!r}; known methods: {', '.join(sorted(_REGISTRY))}"
+        )
+    module_name, attr = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ConfigError(
+            f"speculative method {method!r} needs {module_name} ({attr}), which cannot be "
+            f"imported: {e}"
+        ) from None
+    factory: Callable[..., Proposer] | None = getattr(module, attr, None)
+    if factory is None:
+        raise ConfigError(f"speculative method {method!r}: {module_name} has no {attr}")
+    device = device or torch.device("cpu")
+    if method == "dflash":
+        # The DFlash drafter builds itself from the engine config (speculative.draft_model,
+        # cache.block_size), sharing the target's embedding and LM head.
+        return factory(config, target_model, device, dtype)
+    return factory(
+        config,
+        target_model,
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        progress=progress,
+    )
+
+
+def _make_ngram(config: EngineConfig, target_model: nn.Module, **_: Any) -> Proposer:
+    from libkk.spec.ngram import NgramProposer
+
+    spec = config.speculative
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _make_draft_model(
+    config: EngineConfig,
+    target_model: nn.Module,
+    *,
+    target_dir: Path | None,
+    draft_dir: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    num_blocks: int,
+    progress: bool,
+) -> Proposer:
+    from libkk.spec.draft_model import DraftModelProposer
+
+    spec = config.speculative
+    if draft_dir is None:
+        if spec.draft_model is None:
+            raise ConfigError("speculative method 'draft_model' needs draft_model")
+        draft_dir = Path(spec.draft_model)
+    return DraftModelProposer.load(
+        draft_dir,
+        target_dir=target_dir,
+        target_vocab_size=target_model.vocab_size,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        probabilistic=spec.draft_sampling == "probabilistic",
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+    )

@@ -1,5 +1,6 @@
-"""Imports run one way: api -> engine -> (cache, runtime) -> (models, sample, spec) -> layers ->
-kernels. A package may import only packages of a lower rank (siblings of one rank stay apart)."""
+"""Imports run one way: api -> engine -> (cache, runtime) -> spec -> (models, sample) -> layers ->
+kernels. A package may import only packages of a lower rank (siblings of one rank stay apart).
+Proposers (spec) build on the model classes and on the sampler's keyed noise and processing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ RANK = {
     "graphs": 4,
     "models": 3,
     "sample": 3,
-    "spec": 3,
+    "spec": 3.5,
     "layers": 2,
     "quant": 1.5,
     "dist": 1.5,

@@ -1,0 +1,59 @@
+"""The per-position sampling rows of a verification, and the logit processing both sides share.
+
+Verification scores drafts d_0 .. d_{n-1} at positions pos .. pos + n - 1 and a bonus at pos + n.
+Row k must be processed exactly as the plain sampler would process it had d_0 .. d_{k-1} already
+been accepted: penalties count them as output tokens, min_tokens bans lift once enough output
+exists, and the keyed noise uses position pos + k. Model drafters sample d_k from the same processing
+of their own logits, so q in the rejection test is the distribution the draft was really drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from libkk.sample.sampler import SamplingRow, apply_filters, apply_penalties
+
+
+def position_rows(row: SamplingRow, drafts: Sequence[int], num_rows: int) -> list[SamplingRow]:
+    """Rows for positions row.position + k, k < num_rows, as if drafts[:k] were accepted.
+
+    `row` is the row of the first draft position (its output tokens end with the anchor).
+    """
+    if num_rows > len(drafts) + 1:
+        raise ValueError(f"{num_rows} rows need at least {num_rows - 1} drafts, got {len(drafts)}")
+    rows = [row]
+    min_tokens = row.params.min_tokens
+    num_output = len(row.output_token_ids)
+    for k in range(1, num_rows):
+        banned = row.banned_token_ids if num_output + k < min_tokens else ()
+        rows.append(
+            SamplingRow(
+                params=row.params,
+                seed=row.seed,
+                position=row.position + k,
+                prompt_token_ids=row.prompt_token_ids,
+                output_token_ids=[*row.output_token_ids, *drafts[:k]],
+                banned_token_ids=banned,
+            )
+        )
+    return rows
+
+
+def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """The logits each row samples from.  # [R, V] fp32, a new tensor
+
+    Every row: banned ids and penalties. Random rows then: temperature, top-k, top-p, min-p (the
+    softmax of the result is the sampling distribution; dropped tokens are -inf). Greedy rows keep
+    their penalized logits (their argmax is the token).
+    """
+    x = apply_penalties(logits.float().clone(), rows, inplace=True)  # [R, V]
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(random_rows) == len(rows):
+        apply_filters(x, [r.params for r in rows])
+    elif random_rows:
+        idx = torch.tensor(random_rows, device=x.device)
+        x[idx] = apply_filters(x[idx], [rows[i].params for i in random_rows])
+    return x
