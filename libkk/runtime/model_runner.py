@@ -65,6 +65,16 @@ class ModelRunner:
             )
             self.graphs.capture(progress=progress)
 
+    def set_speculation(
+        self, aux_hidden_layers: tuple[int, ...] = (), synthetic_rates: list[float] | None = None
+    ) -> None:
+        """Speculative settings: target layers whose hidden states each step returns (for
+        model-based proposers), and synthetic acceptance rates (benchmarks; None: exact)."""
+        self.aux_hidden_layers = tuple(aux_hidden_layers)
+        self.synthetic_rates = synthetic_rates
+        if self.aux_hidden_layers:
+            self.model.set_aux_hidden_layers(self.aux_hidden_layers)
+
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
