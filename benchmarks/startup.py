@@ -2,7 +2,8 @@
 
 Cold: every cache libkk reads starts empty (libkk's own cache dir with the model conversion and the
 compiled-graph artifacts, Inductor's and Triton's caches). Warm: a second fresh process reusing
-them. The peer is transformers loading the same (converted) folder in a fresh process. Each case
+them. Warm, artifacts only: a third process with fresh Inductor and Triton caches, so only libkk's
+artifact cache (graphs/compile.py) can save compile time. The peer is transformers loading the same (converted) folder in a fresh process. Each case
 runs in its own subprocess and reports wall time from interpreter start to the first token.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
@@ -24,9 +25,19 @@ LIBKK_CHILD = """
 import time, sys
 t0 = float(sys.argv[1])
 import libkk
+t1 = time.time()
+PROMPT = {prompt!r}
 with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=False) as s:
-    s.generate("The capital of France is", libkk.SamplingParams(max_tokens=1, temperature=0.0))
-print(time.time() - t0)
+    t2 = time.time()
+    s.generate(PROMPT, libkk.SamplingParams(max_tokens=1, temperature=0.0))
+    elapsed = time.time() - t0
+    r = s.engine.runner
+    print(f"artifact cache {{r.compile_cache}}; import {{t1 - t0:.1f}} s, Session {{t2 - t1:.1f}} s "
+          f"(compile + capture {{r.capture_seconds:.1f}} s), first token {{time.time() - t2:.2f}} s")
+    if {explain!r}:
+        import torch
+        print(torch._dynamo.utils.compile_times(repr="str").replace(chr(10), " | ")[:2000])
+print(elapsed)
 """
 
 HF_CHILD = """
@@ -38,9 +49,10 @@ device = {device!r} if {device!r} != "auto" else ("cuda" if torch.cuda.is_availa
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 tok = AutoTokenizer.from_pretrained({model!r})
 model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=dtype).to(device).eval()
-ids = tok("The capital of France is", return_tensors="pt").to(device)
+PROMPT = {prompt!r}
+ids = tok(PROMPT, return_tensors="pt").input_ids if isinstance(PROMPT, str) else torch.tensor([PROMPT])
 with torch.inference_mode():
-    model.generate(**ids, max_new_tokens=1, do_sample=False)
+    model.generate(ids.to(device), max_new_tokens=1, do_sample=False)
 print(time.time() - t0)
 """
 
@@ -52,9 +64,14 @@ def run_child(code: str, env: dict[str, str]) -> float:
         env=env,
         capture_output=True,
         text=True,
-        check=True,
+        cwd=tempfile.gettempdir(),  # import the installed libkk, not a source tree in the cwd
     )
-    return float(done.stdout.strip().splitlines()[-1])
+    if done.returncode != 0:
+        raise RuntimeError(f"child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    lines = done.stdout.strip().splitlines()
+    if len(lines) > 1:
+        print("   ", *lines[:-1])
+    return float(lines[-1])
 
 
 def cache_env(root: Path) -> dict[str, str]:
@@ -73,29 +90,49 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="startup.json")
+    ap.add_argument("--explain", action="store_true", help="print torch.compile's phase times")
     args = ap.parse_args()
 
     from libkk.models.default import default_model_path
 
     # transformers needs a folder; for the default model that is libkk's converted one.
     hf_model = args.model if args.model else str(default_model_path(progress=False))
-    results: dict[str, list[float]] = {"libkk cold": [], "libkk warm": [], "transformers": []}
+    # Token ids for a checkpoint given by path (random-weight benchmark folders have a word-level
+    # tokenizer that knows no English); text for the default model.
+    prompt = list(range(10, 42)) if args.model else "The capital of France is"
+    results: dict[str, list[float]] = {
+        "libkk cold": [],
+        "libkk warm": [],
+        "libkk warm, artifacts only": [],
+        "transformers": [],
+    }
+
+    def record(name: str, code: str, env: dict[str, str]) -> None:
+        results[name].append(run_child(code, env))
+        print(f"  {name}: {results[name][-1]:.2f} s", flush=True)
+
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             env = cache_env(Path(tmp))
-            code = LIBKK_CHILD.format(model=args.model, device=args.device)
-            results["libkk cold"].append(run_child(code, env))
-            results["libkk warm"].append(run_child(code, env))
-        code = HF_CHILD.format(model=hf_model, device=args.device)
-        results["transformers"].append(run_child(code, dict(os.environ, HF_HUB_OFFLINE="1")))
+            code = LIBKK_CHILD.format(
+                model=args.model, device=args.device, prompt=prompt, explain=args.explain
+            )
+            record("libkk cold", code, env)
+            record("libkk warm", code, env)
+            env = cache_env(Path(tmp))
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor-fresh")
+            env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton-fresh")
+            record("libkk warm, artifacts only", code, env)
+        code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
+        record("transformers", code, dict(os.environ, HF_HUB_OFFLINE="1"))
 
     print(
         f"start-up to first token, {args.model or 'default model'}, device {args.device}, "
         f"{args.repeats} repeats"
     )
-    print(f"{'case':<14}{'median s':>10}{'min':>8}{'max':>8}")
+    print(f"{'case':<28}{'median s':>10}{'min':>8}{'max':>8}")
     for name, times in results.items():
-        print(f"{name:<14}{statistics.median(times):>10.2f}{min(times):>8.2f}{max(times):>8.2f}")
+        print(f"{name:<28}{statistics.median(times):>10.2f}{min(times):>8.2f}{max(times):>8.2f}")
     cold, warm = (statistics.median(results[k]) for k in ("libkk cold", "libkk warm"))
     print(f"warm / cold: {warm / cold:.0%}")
     Path(args.out).write_text(json.dumps(results, indent=2))

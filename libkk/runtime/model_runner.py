@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
+import msgspec
 import torch
 from torch import nn
 
 from libkk.config import CompilationConfig
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
+from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.layers.forward_context import set_forward_context
 from libkk.runtime.input_batch import InputBatch, build_input_batch
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
@@ -44,26 +49,58 @@ class ModelRunner:
         for layer, cache in zip(layers, kv_caches, strict=True):
             layer.kv_cache = cache
         self.graphs: DecodeGraphs | None = None
+        self.compile_cache = "off"  # how the artifact cache served this runner (graphs/compile.py)
+        self.capture_seconds = 0.0  # compile (where it happens during capture) + capture
         compilation = compilation or CompilationConfig()
         # model.forward(input_ids, positions), compiled on CUDA (CPU stays eager: exact parity
         # with the reference and no compile time).
         self.forward = model.forward
         if device.type == "cuda" and compilation.torch_compile:
-            self.forward = torch.compile(model.forward, dynamic=True)
+            self.forward = compile_forward(model.forward)
         if device.type == "cuda" and compilation.cudagraph_mode != "NONE" and capturable:
-            sizes = [
-                s
-                for s in (compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES)
-                if s <= max_num_seqs
-            ] or [max_num_seqs]
-            self.graphs = DecodeGraphs(
-                self.forward,
-                capture_sizes=sizes,
-                max_blocks_per_seq=-(-max_model_len // block_size),
-                block_size=block_size,
-                device=device,
-            )
+            self._capture_graphs(compilation, max_num_seqs, max_model_len, progress)
+
+    def _capture_graphs(
+        self,
+        compilation: CompilationConfig,
+        max_num_seqs: int,
+        max_model_len: int,
+        progress: bool,
+    ) -> None:
+        sizes = [
+            s
+            for s in (compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES)
+            if s <= max_num_seqs
+        ] or [max_num_seqs]
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            self.forward,
+            capture_sizes=sizes,
+            max_blocks_per_seq=max_blocks_per_seq,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        start = time.perf_counter()
+        if not compilation.torch_compile:
             self.graphs.capture(progress=progress)
+            self.capture_seconds = time.perf_counter() - start
+            return
+        # Capturing runs the compiled forward at every size, so it compiles everything a run
+        # needs (size 1 and the dynamic graph); the artifact cache stores it for the next start.
+        graph_settings = {
+            "model_class": type(self.model).__name__,
+            "compilation": msgspec.to_builtins(compilation),
+            "weight_dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
+            "kv_cache_dtype": str(self.kv_caches[0].dtype) if self.kv_caches else None,
+            "block_size": self.block_size,
+            "capture_sizes": sizes,
+            "max_blocks_per_seq": max_blocks_per_seq,
+        }
+        model_config = dataclasses.asdict(self.model.config)
+        with artifact_cache_scope(self.device, model_config, graph_settings) as how:
+            self.compile_cache = how
+            self.graphs.capture(progress=progress)
+        self.capture_seconds = time.perf_counter() - start
 
     def set_speculation(
         self, aux_hidden_layers: tuple[int, ...] = (), synthetic_rates: list[float] | None = None

@@ -1,0 +1,72 @@
+"""torch.compile of the model forward, backed by the on-disk artifact cache.
+
+A start with a ready entry hot-loads its torch.compile artifacts (Inductor's compiled graphs,
+AOTAutograd entries, autotune results) before anything compiles, so compiling becomes cache hits.
+A start without one compiles, captures, then stores what this process compiled. The entry is
+keyed by the model's config.json, the graph-relevant settings and the software/GPU versions
+(`artifacts.ArtifactKey`); see artifacts.py for the locking and READY protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from libkk.graphs.artifacts import (
+    ArtifactCache,
+    ArtifactKey,
+    device_name_of,
+    load_compile_artifacts,
+    save_compile_artifacts,
+)
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def compile_forward(forward: Forward) -> Forward:
+    """The model forward under torch.compile with dynamic token counts.
+
+    Attention layers are excluded from tracing (`Attention.forward` is `torch.compiler.disable`d),
+    so the graph splits there and Inductor fuses what lies between attention calls.
+    """
+    return torch.compile(forward, dynamic=True)
+
+
+@contextlib.contextmanager
+def artifact_cache_scope(
+    device: torch.device,
+    model_config: Mapping[str, Any],
+    graph_settings: Mapping[str, Any],
+    model_name: str | None = None,
+    cache: ArtifactCache | None = None,
+) -> Iterator[str]:
+    """Wraps the compile + capture of one model; yields how the entry was used:
+
+    "loaded" (a ready entry was hot-loaded before compiling), "built" (this process compiled and
+    will store the artifacts when the block ends), or "uncached" (no lock or an I/O problem:
+    compile without the cache). The block must force every compile it wants stored (capture or
+    warm-up calls), since torch.compile compiles lazily.
+    """
+    entry = (cache or ArtifactCache()).entry(
+        ArtifactKey.build(model_config, graph_settings, device_name_of(device))
+    )
+    start = time.perf_counter()
+    if load_compile_artifacts(entry):
+        yield "loaded"
+        logger.info("compiled from cached artifacts in %.1f s", time.perf_counter() - start)
+        return
+    with entry.writer(model_name=model_name) as writer:
+        if writer.reused:  # another process finished the entry while this one waited
+            loaded = load_compile_artifacts(entry)
+            yield "loaded" if loaded else "uncached"
+            return
+        yield "built" if writer.building else "uncached"
+        if writer.building:
+            save_compile_artifacts(writer)
+    logger.info("compiled and captured in %.1f s", time.perf_counter() - start)
