@@ -22,8 +22,9 @@ Because the packed bytes hold even and odd K elements in the two nibbles, the ke
 activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
 
 Tile configs: a static table (decode <= 64 tokens: 16-row M tiles, the weight stream dominates;
-prefill: 64-row tiles). Triton autotune is not used: kernels sit below graphs/ in the import order,
-so the artifact cache's autotune store is out of reach from here.
+prefill: 64-row tiles), chosen without measurements on the target GPU yet (benchmarks/moe.py
+measures them). Triton autotune is not used: kernels sit below graphs/ in the import order, so the
+artifact cache's autotune store is out of reach from here.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ class MoeTileConfig:
     num_stages: int
 
 
-# Decode: few rows per expert, so a 16-row tile (tl.dot's minimum) wastes the least and narrow N
-# tiles spread one expert's weight stream over many SMs. Prefill: tiles big enough to reuse each
-# dequantized weight tile across many rows.
-DECODE_CONFIG = MoeTileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+# Decode: few rows per expert, so a 16-row tile (tl.dot's minimum) wastes the least, and narrow N
+# tiles spread the few touched experts' weight stream over many SMs (batch 1 at the Qwen3-30B
+# shape: 8 experts x 768 / 32 = 192 gate_up programs, 512 down programs); no split-K, as N alone
+# already gives more programs than SMs there. Prefill: tiles big enough to reuse each dequantized
+# weight tile across many rows.
+DECODE_CONFIG = MoeTileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
 PREFILL_CONFIG = MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 DECODE_MAX_TOKENS = 64
 

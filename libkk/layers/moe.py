@@ -1,5 +1,8 @@
 """Mixture of experts: router top-k, stacked expert weights and the plain-torch fused-MoE path.
 
+Packed 4-bit experts (NVFP4/MXFP4 on CUDA, the fused W4A16 kernels) live in
+libkk/layers/quant_moe.py; SparseMoeBlock builds them when the loader asks for them.
+
 Expert weights are stacked the way the Triton fused-MoE kernels read them:
   w13 [num_experts, 2 * intermediate, hidden]  rows [gate (w1) | up (w3)] of each expert
   w2  [num_experts, hidden, intermediate]      the down projection
