@@ -1,0 +1,220 @@
+"""Adaptive verification: the cost model, the exact choice, synthetic acceptance."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from libkk.errors import ConfigError
+from libkk.spec.adaptive import (
+    AdaptiveVerifier,
+    CostModel,
+    objective,
+    optimal_num_draft,
+    rate_for_acceptance_length,
+    synthetic_accept,
+)
+from libkk.spec.estimator import AcceptanceEstimator, SpeculationInputError
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+
+
+def test_cost_model_interpolates_piecewise_linearly() -> None:
+    cost = CostModel(
+        draft_ms=[(8, 2.0), (1, 1.0), (32, 5.0)],  # any order
+        verify_ms=[(1, 10.0), (64, 10.0), (256, 30.0)],
+    )
+    assert cost.draft_points == [(1.0, 1.0), (8.0, 2.0), (32.0, 5.0)]
+    assert cost.draft(1) == 1.0 and cost.draft(8) == 2.0 and cost.draft(32) == 5.0
+    assert cost.draft(4.5) == pytest.approx(1.5)
+    assert cost.draft(20) == pytest.approx(3.5)
+    assert cost.verify(40) == pytest.approx(10.0)
+    assert cost.verify(160) == pytest.approx(20.0)
+    # Beyond the ends: the end segments' slopes, never below 0.
+    assert cost.draft(56) == pytest.approx(8.0)
+    assert cost.verify(512) == pytest.approx(30.0 + 256 * 20.0 / 192)
+    assert cost.draft(0) == pytest.approx(1.0 - 1.0 / 7)
+    steep = CostModel(draft_ms=[(4, 1.0), (5, 10.0)], verify_ms=[(3, 7.0)])
+    assert steep.draft(0) == 0.0
+    assert steep.verify(1000) == 7.0  # one point: constant
+    # Tensors interpolate elementwise; step = draft(requests) + verify(tokens).
+    tokens = torch.tensor([1, 64, 160, 512])
+    expected = [10.0, 10.0, 20.0, 30.0 + 256 * 20.0 / 192]
+    torch.testing.assert_close(cost.verify(tokens), torch.tensor(expected, dtype=torch.float64))
+    assert cost.step(8, 160) == pytest.approx(22.0)
+
+
+def test_cost_model_rejects_bad_points() -> None:
+    with pytest.raises(ConfigError, match="draft_ms: at least one"):
+        CostModel(draft_ms=[], verify_ms=[(1, 1.0)])
+    with pytest.raises(ConfigError, match="verify_ms: two points at x = 4"):
+        CostModel(draft_ms=[(1, 1.0)], verify_ms=[(4, 1.0), (4, 2.0)])
+    with pytest.raises(ConfigError, match="finite and >= 0"):
+        CostModel(draft_ms=[(1, -1.0)], verify_ms=[(1, 1.0)])
+    with pytest.raises(ConfigError, match="finite and >= 0"):
+        CostModel(draft_ms=[(1, 1.0)], verify_ms=[(1, float("nan"))])
+
+
+def test_profile_times_each_count() -> None:
+    now = [0.0]
+    calls: list[tuple[str, int]] = []
+    syncs = [0]
+
+    def draft(n: int) -> None:
+        calls.append(("draft", n))
+        now[0] += 0.001 * (1 + n)  # 1 ms + 1 ms per request
+
+    def verify(n: int) -> None:
+        calls.append(("verify", n))
+        # One slow outlier per count: the median ignores it.
+        slow = sum(1 for c in calls if c == ("verify", n)) == 3
+        now[0] += 0.002 * n + (1.0 if slow else 0.0)
+
+    def sync() -> None:
+        syncs[0] += 1
+
+    cost = CostModel.profile(
+        draft, verify, [1, 4], [8, 16], warmup=1, repeats=3, synchronize=sync, clock=lambda: now[0]
+    )
+    assert [p[0] for p in cost.draft_points] == [1, 4]
+    assert cost.draft(1) == pytest.approx(2.0) and cost.draft(4) == pytest.approx(5.0)
+    assert cost.verify(8) == pytest.approx(16.0) and cost.verify(16) == pytest.approx(32.0)
+    assert len(calls) == 4 * (1 + 3)  # warmup + repeats per count
+    assert syncs[0] == 4 * 3 * 2  # before and after every timed call
+    with pytest.raises(ConfigError, match="repeats"):
+        CostModel.profile(draft, verify, [1], [1], repeats=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice
+
+
+def _brute_force(
+    survival: torch.Tensor,
+    avail: list[int],
+    cost: CostModel,
+    other: int = 0,
+    budget: int | None = None,
+) -> float:
+    best = -1.0
+    for n in itertools.product(*[range(a + 1) for a in avail]):
+        if budget is not None and len(avail) + other + sum(n) > budget:
+            continue
+        best = max(best, objective(survival, torch.tensor(n), cost, other))
+    return best
+
+
+def _random_cost(g: torch.Generator) -> CostModel:
+    # Non-convex verify curves too (flat then a jump, as with graph padding).
+    xs = sorted(set(torch.randint(1, 30, (4,), generator=g).tolist()))
+    ys = torch.rand(len(xs), generator=g).cumsum(0) * 5
+    if bool(torch.rand(1, generator=g) < 0.5):
+        ys = ys.flip(0).cummin(0).values.flip(0)  # keep it monotone anyway
+    return CostModel(
+        draft_ms=[(1, float(torch.rand(1, generator=g)) * 3), (8, 4.0)],
+        verify_ms=list(zip(xs, ys.tolist(), strict=True)),
+    )
+
+
+def test_choice_maximizes_the_objective_against_brute_force() -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(150):
+        num_rows = int(torch.randint(1, 4, (1,), generator=g))
+        k = int(torch.randint(1, 4, (1,), generator=g))
+        p = torch.rand(num_rows, k, generator=g, dtype=torch.float64)
+        if trial % 5 == 0:
+            p = (p * 4).round() / 4  # ties between rows and slots
+        survival = p.cumprod(dim=-1)
+        avail = torch.randint(0, k + 1, (num_rows,), generator=g)
+        cost = _random_cost(g)
+        other = int(torch.randint(0, 3, (1,), generator=g))
+        budget = (
+            None if trial % 3 else num_rows + other + int(torch.randint(0, 5, (1,), generator=g))
+        )
+        chosen = optimal_num_draft(
+            survival, avail, cost, other_tokens=other, max_verify_tokens=budget
+        )
+        assert bool((chosen <= avail).all()) and bool((chosen >= 0).all())
+        if budget is not None:
+            assert num_rows + other + int(chosen.sum()) <= max(budget, num_rows + other)
+        got = objective(survival, chosen, cost, other)
+        want = _brute_force(survival, avail.tolist(), cost, other, budget)
+        assert got == pytest.approx(want, rel=1e-12), (trial, chosen.tolist())
+
+
+def test_choice_verifies_likely_slots_and_skips_unlikely_ones() -> None:
+    cost = CostModel(draft_ms=[(1, 1.0)], verify_ms=[(0, 0.0), (100, 10.0)])
+    survival = torch.tensor([[0.9, 0.8, 0.05], [0.5, 0.01, 0.001]], dtype=torch.float64)
+    # Each verified token costs 0.1 ms against a ratio near 2 tokens/ms: keep s >= ~0.2.
+    assert optimal_num_draft(survival, torch.tensor([3, 3]), cost).tolist() == [2, 1]
+    assert optimal_num_draft(survival, torch.tensor([1, 0]), cost).tolist() == [1, 0]
+    # A budget of one draft token takes the best slot.
+    capped = optimal_num_draft(survival, torch.tensor([3, 3]), cost, max_verify_tokens=3)
+    assert capped.tolist() == [1, 0]
+
+
+def test_verifier_rejects_bad_num_proposed() -> None:
+    cost = CostModel(draft_ms=[(1, 1.0)], verify_ms=[(1, 1.0)])
+    verifier = AdaptiveVerifier(AcceptanceEstimator(2), cost)
+    with pytest.raises(SpeculationInputError, match="num_proposed must lie"):
+        verifier.choose(torch.zeros(2, 2), torch.tensor([3, 0]))
+    with pytest.raises(SpeculationInputError, match="num_proposed must be"):
+        verifier.choose(torch.zeros(2, 2), torch.tensor([1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic acceptance
+
+
+def _rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seeds = torch.arange(n, dtype=torch.int64) * 1_000_003 - 5
+    positions = torch.arange(n, dtype=torch.int64) * 13 % 4096
+    return seeds, positions
+
+
+def test_synthetic_accept_rates_and_determinism() -> None:
+    rates = [0.9, 0.8, 0.6, 0.4]
+    n = 20000
+    seeds, positions = _rows(n)
+    nd = torch.full((n,), 4)
+    acc = synthetic_accept(rates, nd, seeds, positions)
+    # P(accepted >= k + 1) = prod_{j <= k} rates[j]
+    expected = torch.tensor(rates, dtype=torch.float64).cumprod(0)
+    for k in range(4):
+        frac = float((acc >= k + 1).double().mean())
+        assert abs(frac - float(expected[k])) < 4 * (float(expected[k]) / n) ** 0.5 + 1e-3
+    # Deterministic and batch-independent.
+    assert torch.equal(acc, synthetic_accept(rates, nd, seeds, positions))
+    sub = synthetic_accept(rates, nd[7:9], seeds[7:9], positions[7:9])
+    assert torch.equal(sub, acc[7:9])
+    # num_draft caps it; rate 0 and 1 are exact.
+    capped = synthetic_accept(rates, torch.full((n,), 2), seeds, positions)
+    assert torch.equal(capped, acc.clamp(max=2))
+    assert synthetic_accept([1.0, 1.0], torch.tensor([2, 1, 0]), *_rows(3)).tolist() == [2, 1, 0]
+    assert synthetic_accept([0.0, 1.0], torch.tensor([2, 2]), *_rows(2)).tolist() == [0, 0]
+
+
+def test_synthetic_accept_bad_inputs() -> None:
+    seeds, positions = _rows(2)
+    with pytest.raises(SpeculationInputError, match="rates"):
+        synthetic_accept([1.5], torch.tensor([1, 1]), seeds, positions)
+    with pytest.raises(SpeculationInputError, match="num_draft must lie"):
+        synthetic_accept([0.5], torch.tensor([2, 1]), seeds, positions)
+    with pytest.raises(SpeculationInputError, match="positions must be int64"):
+        synthetic_accept([0.5], torch.tensor([1, 1]), seeds, positions.float())
+
+
+def test_rate_for_acceptance_length() -> None:
+    for length in (1.0, 2.0, 3.5, 5.0, 8.0):
+        a = rate_for_acceptance_length(length, 7)
+        assert 1 + sum(a**i for i in range(1, 8)) == pytest.approx(length, abs=1e-9)
+    # The synthetic acceptance with that rate gives that mean length.
+    a = rate_for_acceptance_length(3.5, 7)
+    n = 20000
+    acc = synthetic_accept([a] * 7, torch.full((n,), 7), *_rows(n))
+    assert float(acc.double().mean()) + 1 == pytest.approx(3.5, abs=0.06)
+    with pytest.raises(SpeculationInputError, match="length must lie"):
+        rate_for_acceptance_length(9.0, 7)
