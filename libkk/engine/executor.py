@@ -41,6 +41,8 @@ import torch
 from libkk.config import EngineConfig
 from libkk.dist import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
 from libkk.errors import ConfigError, LibkkError
+from libkk.models.arch_config import ArchConfig
+from libkk.models.loader import read_arch_config
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
@@ -78,6 +80,30 @@ def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
         )
 
 
+def check_model_split(arch: ArchConfig, size: int) -> None:
+    """Rejects a model whose heads or widths do not split across `size` ranks, before any worker
+    starts (the layers check the same when they are built)."""
+    if size == 1:
+        return
+    widths = {"num_attention_heads": arch.num_heads}
+    if not arch.is_moe or len(arch.moe_layers) < arch.num_layers:  # some dense MLP layers
+        widths["intermediate_size"] = arch.intermediate_size
+    if arch.is_moe:
+        widths["moe_intermediate_size"] = arch.moe_intermediate_size
+    for name, value in widths.items():
+        if value % size:
+            raise ConfigError(
+                f"tensor_parallel_size={size} does not divide the model's {name}={value}: "
+                "expected a tensor-parallel size that divides it"
+            )
+    kv = arch.num_kv_heads
+    if kv % size and size % kv:
+        raise ConfigError(
+            f"tensor_parallel_size={size} and the model's num_key_value_heads={kv}: expected a "
+            "size that divides the KV heads, or a multiple of them (KV heads replicated)"
+        )
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
@@ -87,6 +113,7 @@ class TPExecutor:
 
     def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device) -> None:
         check_parallel_config(config, device)
+        check_model_split(read_arch_config(model_dir), config.parallel.tensor_parallel_size)
         self.size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.worker_timeout_s
         self.failure: str | None = None

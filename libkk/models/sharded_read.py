@@ -55,6 +55,7 @@ class ShardedReader:
     ) -> None:
         self.slices_of = slices_of
         self.algo = str(quant.get("quant_algo", "")).lower() if quant else None
+        self.csf = bool(quant.get("csf")) if quant else False
         # False when a later stream needs whole tensors (quantization on load, FP8 blocks).
         self.presplit = presplit
         self.cut_names: set[str] = set()  # logical weight names already read as this rank's part
@@ -76,24 +77,23 @@ class ShardedReader:
         if part is None or (part == "weight" and view.get_dtype() != "U8"):
             self.cut_names.add(logical)
             return _read_ranges(view, slices)
-        ndim = len(view.get_shape())
-        dim = slices[0][0]
-        if part in ("weight_scale_2", "input_scale"):
-            return f.get_tensor(name)  # per-tensor scalars
+        if part in ("weight_scale_2", "input_scale") or not self._can_cut(slices):
+            return f.get_tensor(name)  # per-tensor scalars, or cut after decoding
+        self.cut_names.add(logical)
         if part == "weight_scale_csf":
-            if dim != 0 or ndim != 1:  # only a row split reads whole slabs
-                return f.get_tensor(name)
-            self.cut_names.add(logical)
             return _read_csf_rows(view, slices, name)
-        # The packed weight [N, K/2] or the block scales [N, K/group] of a 2-D weight [N, K].
-        if dim == 0:
-            self.cut_names.add(logical)
+        if slices[0][0] == 0:  # rows of the packed weight [N, K/2] or the scales [N, K/group]
             return _read_ranges(view, slices)
         per = 2 if part == "weight" else _GROUP[self.algo]  # type: ignore[index]
-        if any(start % per or stop % per for _, start, stop in slices):
-            return f.get_tensor(name)  # not on a byte / block boundary: cut after decoding
-        self.cut_names.add(logical)
         return _read_ranges(view, [(d, a // per, b // per) for d, a, b in slices])
+
+    def _can_cut(self, slices: Slices) -> bool:
+        """Whether every part of a 4-bit weight can be read cut: a row split always (CSF by whole
+        slabs), a column split on scale-block boundaries of uncompressed scales."""
+        if slices[0][0] == 0:
+            return True
+        group = _GROUP[self.algo]  # type: ignore[index]
+        return not self.csf and all(a % group == 0 and b % group == 0 for _, a, b in slices)
 
     def slice_rest(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
