@@ -333,6 +333,8 @@ class Engine:
         if sched_out.empty:
             return []
         self.num_steps += 1
+        if self.host_tier is not None:
+            self.host_tier.wait_copies()  # the forward runs after this step's tier copies
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         try:
