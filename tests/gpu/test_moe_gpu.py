@@ -289,18 +289,22 @@ def test_tiny_model_bf16_logits_close(tiny_moe_dirs):
         assert err < 3e-2, f"relative logits error {err:.2e}"
 
 
-def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs):
-    """The packed path inside full CUDA graphs (the engine's capture) gives the eager tokens."""
+@pytest.mark.parametrize("compile_", [False, True])
+def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
+    """The packed path inside the engine's CUDA graphs (and torch.compile) gives the eager tokens."""
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 300, 99], [42, 7], [1000, 3, 4, 5, 6, 7, 8, 9]]
     out = {}
-    for mode in ("NONE", "FULL"):
+    for mode, comp in (("NONE", False), ("FULL_DECODE_ONLY", compile_)):
         with Session(
             str(tiny_moe_dirs["bf"]), device="cuda", dtype="float32", max_num_seqs=8,
-            max_model_len=256, cudagraph_mode=mode, moe_weight_format="nvfp4", progress=False,
+            max_model_len=256, cudagraph_mode=mode, torch_compile=comp,
+            moe_weight_format="nvfp4", progress=False,
         ) as s:  # fmt: skip
             assert any(isinstance(m, QuantFusedMoE) for m in s.engine.model.modules())
+            if mode != "NONE":
+                assert s.engine.runner.graphs is not None and s.engine.runner.graphs.graphs
             out[mode] = [o.token_ids for o in s.generate(prompts, params)]
-    assert out["FULL"] == out["NONE"]
+    assert out["FULL_DECODE_ONLY"] == out["NONE"]

@@ -115,20 +115,26 @@ def test_packed_layer_rejects_bad_parts():
         QuantFusedMoE(2, 48, 32, "nvfp4")
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def tiny_moe_dir(request, tmp_path_factory):
+    import transformers
 
     from libkk.models.quantize import quantize_checkpoint
 
-    path = tmp_path_factory.mktemp("tiny-moe")
-    config = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
+        max_position_embeddings=128,
     )  # fmt: skip
+    if request.param == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.MixtralConfig(**common, num_local_experts=4)
+        cls = transformers.MixtralForCausalLM
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(path / "bf")
+    cls(config).save_pretrained(path / "bf")
     quantize_checkpoint(path / "bf", path / "q", "nvfp4-csf", progress=False)
     return path / "q"
 
