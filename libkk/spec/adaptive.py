@@ -36,6 +36,7 @@ have verified slot k next but none did, one step extends those requests by one s
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -85,9 +86,19 @@ class _Curve:
         if len(self.points) == 1:
             return self._y.expand(x.shape).clone()
         # Segment i spans points i, i+1; ends extrapolate with their segment's slope.
-        i = (torch.searchsorted(self._x, x, right=True) - 1).clamp(0, len(self.points) - 2)
+        # NOTE: a comparison count, not searchsorted: a few points, and it is ~100x faster here.
+        i = (x[..., None] >= self._x[1:-1]).sum(dim=-1)
         x0, x1, y0, y1 = self._x[i], self._x[i + 1], self._y[i], self._y[i + 1]
         return (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).clamp(min=0.0)
+
+    def at(self, x: float) -> float:
+        """The same for one value, in plain Python."""
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1]
+        i = min(max(bisect.bisect_right([p[0] for p in pts], x) - 1, 0), len(pts) - 2)
+        (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 class CostModel:
@@ -165,10 +176,10 @@ class CostModel:
         )
 
 
-def _apply(curve: _Curve, x: int | Tensor) -> float | Tensor:
+def _apply(curve: _Curve, x: int | float | Tensor) -> float | Tensor:
     if isinstance(x, Tensor):
         return curve(x)
-    return float(curve(torch.tensor([float(x)]))[0])
+    return curve.at(float(x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,30 +293,30 @@ class AdaptiveVerifier:
             max_verify_tokens=max_verify_tokens,
         )
         self.explored_last_step = False
-        probe: int | None = None
-        starved = []
-        for slot in range(k):
-            next_here = (avail > slot) & (chosen == slot)  # [R]: slot would be verified next
-            verified = bool((chosen > slot).any())
-            is_starved = bool(next_here.any()) and not verified
-            starved.append(is_starved)
-            if probe is None and is_starved and self._idle[slot] >= self.config.explore_after:
-                probe = slot
+        slots = torch.arange(k)
+        # Per slot: some request would verify it next / some request verifies it.
+        next_here = (avail[:, None] > slots) & (chosen[:, None] == slots)  # [R, K]
+        verified = (chosen[:, None] > slots).any(dim=0).tolist()  # [K]
+        starved = [
+            a and not v for a, v in zip(next_here.any(dim=0).tolist(), verified, strict=True)
+        ]
+        explore_after = self.config.explore_after
+        probe = next((i for i in range(k) if starved[i] and self._idle[i] >= explore_after), None)
         if probe is not None:
-            rows = ((avail > probe) & (chosen == probe)).nonzero()[:, 0]
+            rows = next_here[:, probe].nonzero()[:, 0]
             if max_verify_tokens is not None:
                 room = max_verify_tokens - (num_rows + other_tokens + int(chosen.sum()))
                 rows = rows[: max(room, 0)]
             if rows.numel():
                 chosen[rows] += 1
-                self._idle[probe] = 0
+                verified[probe] = True
                 starved[probe] = False
                 self.explored_last_step = True
                 self.num_explorations += 1
         for slot in range(k):
             if starved[slot]:
                 self._idle[slot] += 1
-            elif bool((chosen > slot).any()):
+            elif verified[slot]:
                 self._idle[slot] = 0
         return chosen
 
