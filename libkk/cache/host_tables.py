@@ -27,9 +27,11 @@ it), so the next process rebuilds.
 The mapping is read-only (`PROT_READ`, `MAP_SHARED`): a stray write faults instead of corrupting
 the table other processes read.
 
-Scope: CPU models. There the mapped tensor is the embedding, and for tied models also the LM head
-(zero copy). On CUDA the weights already live on the device and nothing is held on the host, so
-sharing would need the runner to gather rows on the host before each (graph-replayed) forward.
+Use. On CPU the mapped tensor is the embedding, and for tied models also the LM head (zero
+copy). On CUDA the embedding becomes a `HostRowsEmbedding` (libkk/layers/host_embedding.py): the
+runner gathers each step's rows from the mapping into a pinned staging buffer and copies them to
+a static device buffer before the forward, so compiled forwards and CUDA graphs read rows without
+the table on the device (a tied LM head keeps its device copy: logits need the whole matrix).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from libkk.fsutil import (
     write_manifest,
 )
 from libkk.layers.embedding import VocabEmbedding
+from libkk.layers.host_embedding import HostRowsEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -218,23 +221,30 @@ def shared_table(
         return _map(folder / TABLE, table)
 
 
-def share_embedding(model: nn.Module, model_dir: Path, device: torch.device) -> int:
-    """Replaces the model's embedding matrix (and a head tied to it) by the host's shared copy.
+def share_embedding(
+    model: nn.Module, model_dir: Path, device: torch.device, max_num_tokens: int
+) -> int:
+    """Serves the model's embedding matrix (and a head tied to it) from the host's shared copy.
 
-    Returns the table's bytes. Raises ConfigError where sharing does not apply.
+    On CPU the embedding (and a tied head) read the mapping directly. On CUDA the embedding module
+    is replaced by a `HostRowsEmbedding` that gathers each step's rows (at most `max_num_tokens`)
+    from the mapping into a static device buffer; a tied head keeps its device copy, an untied
+    model's device copy of the embedding is freed. Returns the table's bytes. Raises ConfigError
+    where sharing does not apply.
     """
-    if device.type != "cpu":
-        raise ConfigError(
-            f"shared_host_tables needs device='cpu' (got {device.type!r}): on CUDA the tables "
-            "live on the device and no host copy is kept"
-        )
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, VocabEmbedding)]
     if not named:
         raise ConfigError(f"shared_host_tables: {type(model).__name__} has no embedding table")
     module_name, embedding = named[0]
     config_bytes = (Path(model_dir) / "config.json").read_bytes()
-    table = shared_table(config_bytes, f"{module_name}.weight", embedding.weight.data)
-    embedding.use_table(table)
+    weight = embedding.weight.data
+    table = shared_table(config_bytes, f"{module_name}.weight", weight.cpu())
+    if device.type == "cpu":
+        embedding.use_table(table)
+    else:
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, HostRowsEmbedding(table, device, max_num_tokens))
     return table.numel() * table.element_size()
 
 

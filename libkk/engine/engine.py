@@ -78,7 +78,12 @@ class Engine:
             quantization=config.model.quantization,
         )
         if config.model.shared_host_tables:
-            share_embedding(self.model, self.model_dir, self.device)
+            sched = config.scheduler
+            # The staged rows of the largest step: a token budget, or a padded decode graph.
+            spec = config.speculative
+            rows_per_seq = 1 + (spec.num_speculative_tokens if spec.method else 0)
+            max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * rows_per_seq)
+            share_embedding(self.model, self.model_dir, self.device, max_step_tokens)
         self.max_model_len = self._resolve_max_model_len()
         cache_cfg = config.cache
         block_size = cache_cfg.block_size

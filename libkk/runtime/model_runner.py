@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import msgspec
+import numpy as np
 import torch
 from torch import nn
 
@@ -13,6 +14,7 @@ from libkk.config import CompilationConfig
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.layers.forward_context import set_forward_context
+from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.verify import verify
@@ -48,6 +50,7 @@ class ModelRunner:
             raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches")
         for layer, cache in zip(layers, kv_caches, strict=True):
             layer.kv_cache = cache
+        self.host_embeddings = [m for m in model.modules() if isinstance(m, HostRowsEmbedding)]
         self.graphs: DecodeGraphs | None = None
         self.compile_cache = "off"  # how the artifact cache served this runner (graphs/compile.py)
         self.capture_seconds = 0.0  # compile (where it happens during capture) + capture
@@ -116,6 +119,10 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
         num_tokens = batch.input_ids.shape[0]
+        if self.host_embeddings:  # rows of host-resident tables, gathered before the forward
+            ids = np.fromiter((t for r in sched_out.requests for t in r.token_ids), np.int64)
+            for embedding in self.host_embeddings:
+                embedding.stage(ids)
         aux_layers = self.aux_hidden_layers
         # NOTE: captured graphs do not stash aux hidden states: steps that need them run eagerly.
         if (
