@@ -1,9 +1,9 @@
 """FULL CUDA graphs of the model forward for uniform decode batches.
 
-A uniform decode batch has one new token per request. Such a batch of n requests is padded to the
-smallest capture size >= n (a precomputed table) and replayed from static input buffers. Padded
-rows are requests of length 1 that live in the null block: their K/V writes are skipped and their
-outputs ignored. All graphs share one memory pool and are captured largest first, so smaller ones
+A uniform batch has the same number of new tokens q in every request: one for plain decode, 1 + K
+when every request verifies K drafts. A batch of n requests is padded to the smallest capture size
+>= n (a precomputed table) and replayed from static input buffers. Padded requests have q tokens
+that live in the null block: their K/V writes are skipped and their outputs ignored. All graphs share one memory pool and are captured largest first, so smaller ones
 reuse the larger ones' memory; the static buffers and each graph's output stay referenced for the
 graphs' life.
 """
@@ -32,7 +32,13 @@ def padded_size_table(sizes: Sequence[int]) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured forwards for decode batches of up to `max(capture_sizes)` requests."""
+    """Captured forwards for uniform batches of up to `max(capture_sizes)` requests.
+
+    A uniform batch gives every request the same query length q: 1 for plain decode, 1 + K when
+    every request verifies K drafts. One graph is captured per (q, size) for q in `query_lens`.
+    `stash`, if given, returns a tensor the forward leaves beside its output (the hidden states
+    of chosen layers for a drafter); its per-graph instance is kept and returned by `run`.
+    """
 
     def __init__(
         self,
@@ -42,86 +48,108 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        query_lens: Sequence[int] = (1,),
+        stash: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         if not capture_sizes:
             raise ValueError("capture_sizes is empty")
+        if not query_lens or min(query_lens) < 1:
+            raise ValueError(f"query_lens must be >= 1, got {list(query_lens)}")
         self.forward = forward  # model.forward(input_ids, positions), compiled or not
+        self.stash = stash
         self.sizes = sorted(set(capture_sizes))
+        self.query_lens = sorted(set(query_lens))
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
         self.block_size = block_size
         n, dev = self.max_size, device
+        t = n * self.query_lens[-1]
         # Static inputs. Rows past a batch's size keep the padding values set here: token 0 at
-        # position 0, writing to slot 0 (the null block), attending to itself alone.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        # position 0, writing to slot 0 (the null block), attending to the null block alone.
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.stashed: dict[tuple[int, int], torch.Tensor | None] = {}
         self.pool = None
+        self._q = 0  # the query length the request-level buffers are laid out for
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _layout(self, q: int) -> None:
+        """Lays the request-level padding out for query length q (cheap; only when q changes)."""
+        if q != self._q:
+            n = self.max_size
+            self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32) * q)
+            self.seq_lens.fill_(q)
+            self._q = q
+
+    def _metadata(self, q: int, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * q],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size],
             block_size=self.block_size,
-            max_query_len=1,
+            max_query_len=q,
             max_seq_len=self.block_table.shape[1] * self.block_size,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
+            query_start_loc_cpu=[i * q for i in range(size + 1)],
+            seq_lens_cpu=[q] * size,
         )
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        for size in tqdm(
-            list(reversed(self.sizes)),
-            desc="Capturing CUDA graphs",
-            unit="graph",
-            disable=not progress,
-        ):
-            metadata = self._metadata(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
+        keys = [(q, size) for q in reversed(self.query_lens) for size in reversed(self.sizes)]
+        keys.sort(key=lambda k: -k[0] * k[1])  # largest first: smaller graphs reuse its memory
+        for q, size in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
+            self._layout(q)
+            metadata = self._metadata(q, size)
+            ids, pos = self.input_ids[: size * q], self.positions[: size * q]
             with set_forward_context(metadata):
                 for _ in range(2):  # compiles the kernels and settles allocations
                     self.forward(ids, pos)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[size] = self.forward(ids, pos)
-            self.graphs[size] = graph
+                    self.outputs[q, size] = self.forward(ids, pos)
+                    self.stashed[q, size] = self.stash() if self.stash else None
+            self.graphs[q, size] = graph
         torch.cuda.synchronize()
 
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        q = metadata.max_query_len
         return (
             bool(self.graphs)
-            and metadata.max_query_len == 1
-            and num_tokens == metadata.num_reqs <= self.max_size
+            and q in self.query_lens
+            and num_tokens == metadata.num_reqs * q  # every request has q tokens
+            and metadata.num_reqs <= self.max_size
             and metadata.block_table.shape[1] <= self.block_table.shape[1]
         )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:  # [num_reqs, hidden]
-        n = metadata.num_reqs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [num_tokens, hidden], the stash's rows or None) of the replayed graph."""
+        n, q = metadata.num_reqs, metadata.max_query_len
         size = self.pad_to[n]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        t = n * q
+        self._layout(q)
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(metadata.slot_mapping)
         self.seq_lens[:n].copy_(metadata.seq_lens)
         width = metadata.block_table.shape[1]
         # Columns past `width` may hold older tables; the kernels read only blocks < seq_len.
         self.block_table[:n, :width].copy_(metadata.block_table)
         if size > n:  # rows a previous, larger batch used: back to padding
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].zero_()
-            self.seq_lens[n:size].fill_(1)
+            self.input_ids[t : size * q].zero_()
+            self.positions[t : size * q].zero_()
+            self.slot_mapping[t : size * q].zero_()
+            self.seq_lens[n:size].fill_(q)
             self.block_table[n:size, 0].zero_()
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        self.graphs[q, size].replay()
+        stashed = self.stashed[q, size]
+        return self.outputs[q, size][:t], None if stashed is None else stashed[:t]

@@ -130,7 +130,7 @@ class ModelRunner:
             and not aux_layers
             and self.graphs.can_run(batch.attn_metadata, num_tokens)
         ):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden, _ = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]

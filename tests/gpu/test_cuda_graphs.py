@@ -55,3 +55,50 @@ def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (9, 100)]
     eager = _generate(tiny_qwen3_dir, prompts, "NONE", kv_cache_dtype="fp8")
     assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", kv_cache_dtype="fp8") == eager
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_uniform_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
+    """Graphs for batches where every request runs q tokens (1 + K when verifying K drafts):
+    replay gives the hidden states of the eager forward over the same metadata, and the stash
+    (hidden states a drafter reads) comes back from its graph too."""
+    from libkk import Session
+    from libkk.graphs.capture import DecodeGraphs
+    from libkk.layers.forward_context import AttentionMetadata, set_forward_context
+
+    with Session(str(tiny_qwen3_dir), device="cuda", dtype="float32", max_model_len=256,
+                 cudagraph_mode="NONE", torch_compile=False, progress=False) as s:  # fmt: skip
+        model, bs = s.engine.model, s.engine.config.cache.block_size
+        stash = {}
+
+        def forward(ids, pos):
+            hidden = model.forward(ids, pos)
+            stash["t"] = hidden * 2  # stands in for aux hidden states
+            return hidden
+
+        graphs = DecodeGraphs(forward, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
+                              block_size=bs, device=torch.device("cuda"), query_lens=(1, q),
+                              stash=lambda: stash["t"])  # fmt: skip
+        graphs.capture(progress=False)
+        for n in (1, 3, 8):
+            # Request i owns block i + 1 and runs positions 5 .. 5 + q - 1 of it.
+            g = torch.Generator().manual_seed(n)
+            ids = torch.randint(2, 2048, (n * q,), generator=g).cuda()
+            pos = (5 + torch.arange(q)).repeat(n).cuda()
+            blocks = torch.arange(1, n + 1, dtype=torch.int32).cuda()
+            meta = AttentionMetadata(
+                slot_mapping=(blocks.long().repeat_interleave(q) * bs + pos),
+                query_start_loc=(torch.arange(n + 1, dtype=torch.int32) * q).cuda(),
+                seq_lens=torch.full((n,), 5 + q, dtype=torch.int32).cuda(),
+                block_table=blocks[:, None].contiguous(),
+                block_size=bs, max_query_len=q, max_seq_len=5 + q,
+                query_start_loc_cpu=[i * q for i in range(n + 1)], seq_lens_cpu=[5 + q] * n,
+            )  # fmt: skip
+            assert graphs.can_run(meta, n * q)
+            with torch.inference_mode():
+                with set_forward_context(meta):
+                    eager = model.forward(ids, pos).clone()
+                hidden, stashed = graphs.run(ids, pos, meta)
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(stashed, 2 * eager, rtol=1e-5, atol=1e-5)
+        assert not graphs.can_run(meta, n * q - 1)  # not uniform: eager
