@@ -21,8 +21,10 @@ verifying a shorter prefix leaves the output distribution exactly the target's (
 token is an accepted draft, a residual sample or a bonus sample from p). This holds when the
 features of later slots do not depend on earlier drawn tokens: block drafters (DFlash, all slots
 from one forward), one-hot drafts (constant feature) and greedy rows (deterministic output). An
-autoregressive probabilistic drafter, whose q_{k+1} depends on d_k, should pass features that do
-not (e.g. ONE_HOT_FEATURE for slots > 0).
+autoregressive probabilistic drafter, whose q_{k+1} depends on the drawn d_k, must pass
+`context_features(features)` instead: every slot then carries slot 0's feature, which depends on
+the context only. (Otherwise whether d_k is verified could depend on d_k through f_{k+1}, and
+the output distribution would drift from the target's.)
 
 Exploration. When the estimator predicts too little, the verifier would verify nothing and the
 estimator would never see the evidence that could correct it. So after `explore_after`
@@ -236,11 +238,23 @@ def optimal_num_draft(
     return torch.bincount(chosen_rows, minlength=num_rows).long()
 
 
+def context_features(features: Tensor) -> Tensor:
+    """Slot 0's feature at every slot.  # [R, K]
+
+    For autoregressive probabilistic drafters (see "Lossless" above): slot 0's distribution
+    depends only on the context, so a choice made from these never depends on a drawn draft.
+    """
+    if features.dim() != 2:
+        raise SpeculationInputError(f"features must be [R, K], got {tuple(features.shape)}")
+    return features[:, :1].expand(features.shape).clone()
+
+
 class AdaptiveVerifier:
     """Per step: choose how many drafts each request verifies, then learn from the outcome.
 
     Engine use, once per step with speculation:
         features = draft_feature(draft_logits, temperatures)   # [R, K] (or ONE_HOT_FEATURE)
+        # autoregressive probabilistic drafters: features = context_features(features)
         num_draft = verifier.choose(features, num_proposed)     # [R]
         ... verify the first num_draft[r] drafts of each request ...
         verifier.observe(features, num_draft, num_accepted)

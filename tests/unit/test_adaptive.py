@@ -11,6 +11,7 @@ from libkk.errors import ConfigError
 from libkk.spec.adaptive import (
     AdaptiveVerifier,
     CostModel,
+    context_features,
     objective,
     optimal_num_draft,
     rate_for_acceptance_length,
@@ -154,6 +155,31 @@ def test_choice_verifies_likely_slots_and_skips_unlikely_ones() -> None:
     # A budget of one draft token takes the best slot.
     capped = optimal_num_draft(survival, torch.tensor([3, 3]), cost, max_verify_tokens=3)
     assert capped.tolist() == [1, 0]
+
+
+def test_context_features_make_the_choice_independent_of_later_slots() -> None:
+    # An autoregressive drafter's later features depend on its drawn tokens; with
+    # context_features the choice cannot.
+    cost = CostModel(draft_ms=[(1, 1.0)], verify_ms=[(0, 0.0), (100, 10.0)])
+    est = AcceptanceEstimator(4)
+    est.slope = 1.0
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(6, 4, generator=g) * 3
+    choices = set()
+    for _ in range(20):
+        other = feats.clone()
+        other[:, 1:] = torch.randn(6, 3, generator=g) * 3  # what other draws would give
+        verifier = AdaptiveVerifier(est, cost)
+        ctx = context_features(other)
+        assert torch.equal(ctx, feats[:, :1].expand(6, 4))
+        choices.add(tuple(verifier.choose(ctx).tolist()))
+    assert len(choices) == 1
+    # ... while the raw later features do move it.
+    raw = {
+        tuple(AdaptiveVerifier(est, cost).choose(torch.randn(6, 4, generator=g) * 3).tolist())
+        for _ in range(20)
+    }
+    assert len(raw) > 1
 
 
 def test_verifier_rejects_bad_num_proposed() -> None:
