@@ -62,8 +62,9 @@ def test_uniform_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
     """Graphs for batches where every request runs q tokens (1 + K when verifying K drafts):
     replay gives the hidden states of the eager forward over the same metadata, and the stash
     (hidden states a drafter reads) comes back from its graph too."""
-    from libkk import Session
     from libkk.graphs.capture import DecodeGraphs
+
+    from libkk import Session
     from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 
     with Session(str(tiny_qwen3_dir), device="cuda", dtype="float32", max_model_len=256,
