@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from libkk.config import CompilationConfig
+from libkk.dist import get_tp_rank, get_tp_size
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.layers.forward_context import set_forward_context
@@ -98,6 +99,8 @@ class ModelRunner:
             "block_size": self.block_size,
             "capture_sizes": sizes,
             "max_blocks_per_seq": max_blocks_per_seq,
+            # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
+            "tensor_parallel": [get_tp_rank(), get_tp_size()],
         }
         model_config = dataclasses.asdict(self.model.config)
         with artifact_cache_scope(self.device, model_config, graph_settings) as how:
