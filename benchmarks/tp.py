@@ -1,0 +1,191 @@
+"""Tensor parallelism on GPUs: decode and prefill at TP=1 vs TP=2 (or any sizes) at real shapes.
+
+Random bf16 checkpoints are written by benchmarks/decode.py's writer (the real loader runs, each
+rank reading only its slices). Per (shape, TP) case, in a fresh process with a time limit:
+
+- decode: batch 1 and 32, prompts of --prompt tokens, --tokens greedy tokens (EOS ignored); ms per
+  step from the requests' timelines (after the first token);
+- prefill: one --prefill-len-token prompt, time to first token (prefix caching off).
+
+The 30B-A3B shape runs with --moe-layers layers (48 in the real model) so that writing and
+loading it fits the run. Results are written to --out after every case, so a run cut short keeps
+what it measured; a case that fails or runs out of time is recorded with its error.
+
+    python benchmarks/tp.py [--tp 1 2] [--shapes qwen3-8b qwen3-30b-a3b] [--budget-s 540]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode  # noqa: E402  (benchmarks/decode.py: shapes and the checkpoint writer)
+
+
+def _shape_name(shape: str, moe_layers: int) -> str:
+    """The decode.SHAPES entry to write: the 30B-A3B shape cut to `moe_layers` layers."""
+    if shape != "qwen3-30b-a3b" or moe_layers >= decode.SHAPES[shape]["num_hidden_layers"]:
+        return shape
+    name = f"{shape}-{moe_layers}l"
+    decode.SHAPES[name] = {**decode.SHAPES[shape], "num_hidden_layers": moe_layers}
+    return name
+
+
+def run_case(args: argparse.Namespace) -> dict:
+    """One (shape, TP) case in this process: start a Session, measure decode and prefill."""
+    from libkk import SamplingParams, Session
+
+    path = Path(args.dir) / args.case_shape
+    batches = args.batch
+    started = time.perf_counter()
+    with Session(
+        str(path),
+        dtype="bfloat16",
+        tensor_parallel_size=args.case_tp,
+        max_model_len=max(args.prefill_len, args.prompt + args.tokens) + 16,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(4096, args.prefill_len),
+        enable_prefix_caching=False,
+        torch_compile=args.compile,
+        worker_timeout_s=120.0,
+        progress=False,
+    ) as s:
+        start_s = time.perf_counter() - started
+        vocab = s.engine.arch.vocab_size
+        s.generate(decode.prompts(2, 16, vocab), SamplingParams(max_tokens=4, ignore_eos=True))
+        params = SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True)
+        result: dict = {"start_s": start_s, "decode": {}, "weights_bytes_rank0": 0}
+        result["weights_bytes_rank0"] = s.engine.weights_bytes
+        for batch in batches:
+            ids = decode.prompts(batch, args.prompt, vocab, seed=batch)
+            steps = []
+            for _ in range(args.repeats):
+                outs = s.generate(ids, params)
+                steps.append(max(o.timeline.decode_time for o in outs) / args.tokens * 1e3)
+            result["decode"][str(batch)] = {
+                "ms_per_step": statistics.median(steps),
+                "spread": [min(steps), max(steps)],
+                "tok_per_s": batch * 1e3 / statistics.median(steps),
+            }
+            print(f"  batch {batch}: {statistics.median(steps):.2f} ms/step", flush=True)
+        ttft = []
+        for i in range(args.repeats):
+            ids = decode.prompts(1, args.prefill_len, vocab, seed=1000 + i)
+            out = s.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))[0]
+            ttft.append(out.timeline.time_to_first_token * 1e3)
+        result["prefill"] = {
+            "tokens": args.prefill_len,
+            "ttft_ms": statistics.median(ttft),
+            "spread": [min(ttft), max(ttft)],
+            "tok_per_s": args.prefill_len * 1e3 / statistics.median(ttft),
+        }
+        print(f"  prefill {args.prefill_len}: {statistics.median(ttft):.1f} ms", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--moe-layers", type=int, default=8, help="layers of the 30B-A3B shape")
+    ap.add_argument("--compile", action="store_true", help="torch.compile (slow cold start)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after")
+    ap.add_argument("--case-timeout-s", type=float, default=300.0)
+    ap.add_argument("--dir", default="/tmp/libkk-bench")
+    ap.add_argument("--out", default="tp.json")
+    # internal: run one case in this process and print its JSON on the last line
+    ap.add_argument("--case-shape", help=argparse.SUPPRESS)
+    ap.add_argument("--case-tp", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.case_shape:
+        print("RESULT " + json.dumps(run_case(args)), flush=True)
+        return
+
+    t0 = time.monotonic()
+    gpus = torch.cuda.device_count()
+    report: dict = {
+        "gpu": torch.cuda.get_device_name() if gpus else None,
+        "gpus": gpus,
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("case_")},
+        "cases": [],
+    }
+    out = Path(args.out)
+    for shape in args.shapes:
+        name = _shape_name(shape, args.moe_layers)
+        start = time.monotonic()
+        decode.write_checkpoint(name, Path(args.dir) / name, "cuda" if gpus else "cpu")
+        print(f"{name}: checkpoint ready in {time.monotonic() - start:.0f} s", flush=True)
+        for tp in args.tp:
+            case = {"shape": name, "tp": tp}
+            left = args.budget_s - (time.monotonic() - t0)
+            if gpus and tp > gpus:  # (no GPU at all: a CPU trial run, gloo workers)
+                case["error"] = f"needs {tp} GPUs, {gpus} visible"
+            elif left < 30:
+                case["error"] = "not run: time budget spent"
+            else:
+                case |= _run_subprocess(args, name, tp, min(args.case_timeout_s, left))
+            report["cases"].append(case)
+            out.write_text(json.dumps(report, indent=2))
+            print(json.dumps(case), flush=True)
+    _print_table(report)
+
+
+def _run_subprocess(args: argparse.Namespace, shape: str, tp: int, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--case-shape", shape, "--case-tp", str(tp)]
+    for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
+    if args.compile:
+        cmd.append("--compile")
+    print(f"{shape} TP={tp}: {' '.join(cmd[1:])}", flush=True)
+    # A new session: a hung case is killed with its tensor-parallel workers.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in stdout.splitlines():
+        if not line.startswith("RESULT "):
+            print("  " + line, flush=True)
+    results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        return {"error": f"exit code {proc.returncode}"}
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def _print_table(report: dict) -> None:
+    print(f"\ntensor parallelism, {report['gpu']} x{report['gpus']}")
+    batches = report["settings"]["batch"]
+    head = "".join(f"{f'b{b} ms':>10}{f'b{b} tok/s':>12}" for b in batches)
+    print(f"{'shape':<22}{'TP':>3}{head}{'prefill ms':>12}{'prefill tok/s':>15}")
+    for case in report["cases"]:
+        row = f"{case['shape']:<22}{case['tp']:>3}"
+        if "error" in case:
+            print(row + f"  {case['error']}")
+            continue
+        for b in batches:
+            d = case["decode"][str(b)]
+            row += f"{d['ms_per_step']:>10.2f}{d['tok_per_s']:>12.0f}"
+        p = case["prefill"]
+        print(row + f"{p['ttft_ms']:>12.1f}{p['tok_per_s']:>15.0f}")
+
+
+if __name__ == "__main__":
+    main()
