@@ -160,7 +160,9 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(2, vocab, (batch, length), generator=g).tolist()
 
 
-def bench_libkk(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:
+def bench_libkk(
+    path: Path, batch: int, prompt: int, tokens: int, repeats: int, profile: bool = False
+) -> dict:
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
@@ -179,7 +181,30 @@ def bench_libkk(path: Path, batch: int, prompt: int, tokens: int, repeats: int) 
             outs = s.generate(ids, params)
             steps.append(max(o.timeline.decode_time for o in outs) / tokens)
         weights = s.engine.weights_bytes
+        if profile:
+            profile_decode(s, ids, tokens)
     return {"ms_per_step": [t * 1e3 for t in steps], "weights_bytes": weights}
+
+
+def profile_decode(session, ids: list[list[int]], tokens: int) -> None:
+    """Where a decode step's time goes: the top kernels by GPU time and the top host-side ops,
+    per step, from torch.profiler over one generate call (prefill included, amortized)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from libkk import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        session.generate(ids, params)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3 / tokens
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3 / tokens
+    print(f"profile: {wall:.2f} ms wall per step (profiler on), {gpu:.2f} ms GPU busy per step")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
 def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:
@@ -218,6 +243,7 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="decode.json")
+    ap.add_argument("--profile", action="store_true", help="profile the first batch size")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -229,7 +255,8 @@ def main() -> None:
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     rows = []
     for batch in args.batch:
-        kk = bench_libkk(path, batch, args.prompt, args.tokens, args.repeats)
+        profile = args.profile and batch == args.batch[0]
+        kk = bench_libkk(path, batch, args.prompt, args.tokens, args.repeats, profile)
         # Bytes one decode step must move: every weight once (the MoE shape reads only the
         # experts a batch routes to; counted here as all of them, an upper bound) + the KV read.
         ctx = args.prompt + args.tokens // 2

@@ -32,7 +32,7 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     # None: the checkpoint's max_position_embeddings.
     max_model_len: PositiveInt | None = None
     # Map the embedding matrix from one shared copy per host (/dev/shm/libkk, or $LIBKK_SHM_DIR)
-    # instead of a private copy per process; CPU only.
+    # instead of a private copy per process (on CUDA each step's rows are gathered from it).
     shared_host_tables: bool = False
     # Quantize the experts of a full-precision MoE checkpoint on load (the weights a
     # `libkk quantize --format` checkpoint would load); None keeps the checkpoint's own format.
