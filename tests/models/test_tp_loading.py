@@ -231,3 +231,25 @@ def test_moe_experts_split_on_the_intermediate_dim(tmp_path_factory):
         assert torch.equal(
             mine["model.layers.0.mlp.gate.weight"], full["model.layers.0.mlp.gate.weight"]
         )
+
+
+def test_mixtral_experts_split_on_the_intermediate_dim(tmp_path_factory):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = tmp_path_factory.mktemp("tp-mixtral")
+    config = MixtralConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(path)
+    full = _load(path, 0, 1)
+    for rank in range(3):
+        rec = _Recorder()
+        mine = _load(path, rank, 3, rec)
+        experts = [n for n in mine if ".experts." in n]
+        assert experts
+        for name in experts:
+            assert torch.equal(mine[name], _expert_part(full, name, rank, 3)), (name, rank)
+        assert not [n for n in rec.whole if "experts" in n]
