@@ -1,4 +1,4 @@
-"""The `libkk` command: generate, chat, info, cache, tables."""
+"""The `libkk` command: generate, chat, info, cache, tables, train-drafter."""
 
 from __future__ import annotations
 
@@ -271,6 +271,66 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from libkk.models.default import DEFAULT_MODEL_NAME, resolve_model_path
+    from libkk.models.loader import load_model
+    from libkk.models.tokenizer import Tokenizer
+    from libkk.spec.train import TrainOptions, train_drafter
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model_path(args.model)
+    tokenizer = Tokenizer.from_folder(model_dir)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target, _ = load_model(model_dir, dtype, torch.device(device), progress=True)
+    mask = args.mask_token_id
+    if mask is None:  # DFlash's own mask token if the vocabulary has one, else an unused special
+        mask = tokenizer.token_to_id("<|MASK|>") or tokenizer.token_to_id("<empty_output>")
+    prompts = None
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    ids = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
+    options = TrainOptions(
+        num_layers=args.layers,
+        block_size=args.block_size,
+        target_layer_ids=ids,
+        mask_token_id=mask,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        gen_batch_size=args.gen_batch_size,
+        temperature=args.temperature,
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        blocks_per_seq=args.blocks_per_seq,
+        lr=args.lr,
+        max_minutes=args.max_minutes,
+        seed=args.seed,
+        eval_prompts=args.eval_prompts,
+    )
+    name = DEFAULT_MODEL_NAME if args.model is None else str(args.model)
+    report = train_drafter(
+        target, tokenizer, args.output, options, target_name=name, prompts=prompts
+    )
+    acc = report.acceptance
+    print(
+        f"wrote {report.output_dir}: {report.steps} steps on {report.num_sequences} sequences "
+        f"({report.num_generated_tokens} generated tokens) in {report.seconds / 60:.1f} min; "
+        f"loss {report.final_loss:.3f}, training-batch acceptance {report.train_acceptance:.2f}"
+    )
+    if acc is not None:
+        print(
+            f"held-out acceptance length {acc.mean_acceptance_length:.3f} "
+            f"({acc.verification_steps} verification steps, {acc.generated_tokens} tokens)"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -318,6 +378,31 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("dst", help="new folder to write")
     quantize.add_argument("--format", required=True, choices=FORMATS)
     quantize.set_defaults(func=cmd_quantize)
+
+    td = sub.add_parser(
+        "train-drafter", help="distill a DFlash drafter from text the target generates itself"
+    )
+    td.add_argument("--model", default=None, help="target: HF folder or .gguf (default model)")
+    td.add_argument("--output", required=True, help="folder to write the drafter to")
+    td.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    td.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    td.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    td.add_argument("--block-size", type=int, default=8, help="anchor + K masks")
+    td.add_argument("--target-layers", default=None, help="e.g. 1,14,27 (default: 3 spread)")
+    td.add_argument("--mask-token-id", type=int, default=None)
+    td.add_argument("--prompts", default=None, help="a text file, one prompt a line")
+    td.add_argument("--num-prompts", type=int, default=256)
+    td.add_argument("--max-new-tokens", type=int, default=128)
+    td.add_argument("--gen-batch-size", type=int, default=32, help="sequences generated at once")
+    td.add_argument("--temperature", type=float, default=0.0, help="0: greedy continuations")
+    td.add_argument("--steps", type=int, default=1000)
+    td.add_argument("--seqs-per-step", type=int, default=4)
+    td.add_argument("--blocks-per-seq", type=int, default=8)
+    td.add_argument("--lr", type=float, default=6e-4)
+    td.add_argument("--max-minutes", type=float, default=None, help="stop training after this")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure")
+    td.set_defaults(func=cmd_train_drafter)
 
     tables = sub.add_parser(
         "tables", help="shared host tables ($LIBKK_SHM_DIR or /dev/shm/libkk): list, prune"

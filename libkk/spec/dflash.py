@@ -1,0 +1,780 @@
+"""DFlash block drafting (arXiv 2602.06036): K drafts from one forward of a few Qwen3-style layers.
+
+The drafter shares the target's embedding and LM head. The target's hidden states after the
+configured decoder layers (`target_layer_ids`, HF's `hidden_states[i + 1]`: the residual stream
+after layer i) are concatenated, projected (`fc`, no bias) and RMS-normed into context features.
+In every drafter layer the context rows contribute keys and values only: k/v projections of the
+features, k-norm and RoPE at their positions, written once into the drafter's own paged KV cache.
+A draft step runs the block [anchor, MASK x K] at positions p..p+K through the layers; each block
+row attends to every context key and every block key (no causal mask), and the MASK row at p+j
+predicts the token at p+j through the target's LM head.
+
+Checkpoint layout (z-lab/dflash): `config.json` (Qwen3 fields plus `dflash_config` with
+`target_layer_ids`, `mask_token_id`, `block_size`; the same keys at the top level are read too)
+and `model.safetensors` with `fc.weight`, `hidden_norm.weight`, `norm.weight` and
+`layers.N.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+mlp.{gate,up,down}_proj}.weight`. The embedding and LM head are not stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from libkk.errors import ConfigError, CorruptCheckpointError, ModelNotFoundError
+from libkk.layers.attention import attention_backend, store_kv
+from libkk.layers.forward_context import AttentionMetadata
+from libkk.layers.linear import WHOLE, GateUpLinear, Linear, QKVLinear, default_weight_loader
+from libkk.layers.linear import linear as linear_op
+from libkk.layers.norm import RMSNorm
+from libkk.layers.rotary import RopeConfig, RotaryEmbedding
+from libkk.quant.checkpoint import fp8_block_dequantize_stream
+from libkk.quant.formats import quantize_fp8_block
+from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
+from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec.logits import position_rows, process_logits
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+# The drafter shipped for the default model (SmolLM2-135M-Instruct).
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-dflash"
+SHIPPED_TARGET = "SmolLM2-135M-Instruct"
+
+_STACKED: tuple[tuple[str, str, Hashable], ...] = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.")
+_QUANTIZED += (".down_proj.",)
+
+
+class DFlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The drafter's shape and its DFlash settings (a `config.json`, parsed)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int  # anchor + K masks: K = block_size - 1 drafts per forward
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    num_target_layers: int | None = None
+    target_model: str | None = None  # informational: what it was trained for
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], source: str = CONFIG_FILE) -> DFlashConfig:
+        """Reads a DFlash config.json; DFlash keys from `dflash_config` win over top-level ones."""
+        if not isinstance(raw, dict):
+            raise CorruptCheckpointError(f"{source}: expected a JSON object")
+        arch = (raw.get("architectures") or [ARCHITECTURE])[0]
+        if arch != ARCHITECTURE:
+            raise CorruptCheckpointError(
+                f"{source}: architectures[0] is {arch!r}, expected {ARCHITECTURE!r}"
+            )
+        dflash = raw.get("dflash_config") or {}
+
+        def get(key: str, default: Any = None) -> Any:
+            return dflash.get(key, raw.get(key, default))
+
+        rope = raw.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", (raw.get("rope_scaling") or {}).get("rope_type"))
+        if rope_type not in (None, "default"):
+            raise CorruptCheckpointError(f"{source}: rope type {rope_type!r} is not supported")
+        num_heads = raw.get("num_attention_heads")
+        hidden = raw.get("hidden_size")
+        values = {
+            "hidden_size": hidden,
+            "intermediate_size": raw.get("intermediate_size"),
+            "num_layers": raw.get("num_hidden_layers"),
+            "num_heads": num_heads,
+            "num_kv_heads": raw.get("num_key_value_heads", num_heads),
+            "head_dim": raw.get("head_dim")
+            or (hidden // num_heads if isinstance(hidden, int) and num_heads else None),
+            "vocab_size": raw.get("vocab_size"),
+            "target_layer_ids": get("target_layer_ids"),
+            "mask_token_id": get("mask_token_id"),
+            "block_size": get("block_size", 16),
+            "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
+            "rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            "max_position_embeddings": raw.get("max_position_embeddings", 32768),
+            "num_target_layers": get("num_target_layers"),
+            "target_model": get("target_model"),
+        }
+        try:
+            config = msgspec.convert(values, cls)
+        except msgspec.ValidationError as e:
+            raise CorruptCheckpointError(f"{source}: {e}") from None
+        config.check(source)
+        return config
+
+    def check(self, source: str = CONFIG_FILE) -> None:
+        problems = []
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+            problems.append(f"target_layer_ids {list(self.target_layer_ids)} must be >= 0, 1+")
+        if self.block_size < 2:
+            problems.append(f"block_size {self.block_size} must be >= 2 (anchor + 1 mask)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+        if problems:
+            raise CorruptCheckpointError(f"{source}: {'; '.join(problems)}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The config.json of the checkpoint layout (Qwen3 fields + dflash_config)."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+                "block_size": self.block_size,
+                "target_model": self.target_model,
+            },
+        }
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """RoPE on one tensor [N, heads * head_dim] (the rotary module rotates q and k together)."""
+    cos_sin = rotary.cos_sin_cache.index_select(0, positions).to(x.dtype)  # [N, head_dim]
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+    return rotary._rotate(x, cos, sin)
+
+
+# attend(layer index, q [N, H*D], k [N, KV*D], v [N, KV*D]) -> [N, H*D]: the block rows'
+# attention over the context and the block (paged at inference, dense in training and tests).
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, False
+        )
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.rotary = [rotary]  # a list: shared, not a submodule of each layer
+
+    def _norm_rope(self, x: torch.Tensor, norm: RMSNorm, heads: int, positions: torch.Tensor):
+        n = x.shape[0]
+        x = norm(x.reshape(n, heads, self.head_dim)).view(n, -1)
+        return _rope(self.rotary[0], positions, x)
+
+    def context_kv(
+        self,
+        features: torch.Tensor,  # [N, hidden]
+        positions: torch.Tensor,  # [N]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, KV * D] each
+        """Keys and values of context rows: no queries (the rows of the merged weight after q)."""
+        q_size = self.qkv_proj.q_size
+        kv = linear_op(features, self.qkv_proj.weight[q_size:])  # [N, 2 * KV * D]
+        k, v = kv.split(self.qkv_proj.kv_size, dim=-1)
+        return self._norm_rope(k, self.k_norm, self.num_kv_heads, positions), v
+
+    def block_qkv(
+        self,
+        hidden: torch.Tensor,  # [N, hidden], after input_layernorm
+        positions: torch.Tensor,  # [N]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv_proj(hidden)
+        q = self._norm_rope(q, self.q_norm, self.num_heads, positions)
+        k = self._norm_rope(k, self.k_norm, self.num_kv_heads, positions)
+        return q, k, v
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, rotary)
+        self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter's own weights; the embedding and LM head are the target's (passed in)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            RopeConfig(theta=config.rope_theta),
+        )
+        self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            [DFlashLayer(config, self.rotary_emb) for _ in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[N, len(ids) * H] target hidden states -> [N, H] context features."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (k [N, KV*D], v [N, KV*D]) of context rows."""
+        return [layer.self_attn.context_kv(features, positions) for layer in self.layers]
+
+    def forward_block(
+        self,
+        embeds: torch.Tensor,  # [N, H]: embeddings of [anchor, MASK x K] of each block
+        positions: torch.Tensor,  # [N]
+        attend: AttendFn,
+    ) -> torch.Tensor:  # [N, H], after the final norm
+        hidden = embeds
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(hidden)
+            q, k, v = layer.self_attn.block_qkv(x, positions)
+            hidden = hidden + layer.self_attn.o_proj(attend(i, q, k, v))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        seen: dict[str, set[Hashable]] = {}
+        for ckpt_name, tensor in weights:
+            name, shard = _param_name(ckpt_name.removeprefix("model."))
+            if name not in params:
+                raise CorruptCheckpointError(f"unexpected drafter tensor {ckpt_name!r}")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, ckpt_name, shard)
+            seen.setdefault(name, set()).add(shard)
+        return {
+            name
+            for name, shards in seen.items()
+            if None in shards or shards >= getattr(params[name], "shard_ids", WHOLE)
+        }
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters under DFlash checkpoint names (q/k/v and gate/up split apart)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            t = param.detach()
+            if ".qkv_proj." in name:
+                attn = self.get_submodule(name.rsplit(".", 1)[0])
+                parts = t.split([attn.q_size, attn.kv_size, attn.kv_size])
+                for part, tag in zip(parts, "qkv", strict=True):
+                    out[name.replace(".qkv_proj.", f".{tag}_proj.")] = part
+            elif ".gate_up_proj." in name:
+                gate, up = t.chunk(2)
+                out[name.replace(".gate_up_proj.", ".gate_proj.")] = gate
+                out[name.replace(".gate_up_proj.", ".up_proj.")] = up
+            else:
+                out[name] = t
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+def _param_name(name: str) -> tuple[str, Hashable]:
+    for ckpt_part, param_part, shard in _STACKED:
+        if ckpt_part in name:
+            return name.replace(ckpt_part, param_part), shard
+    return name, None
+
+
+def save_drafter(
+    model: DFlashDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Writes config.json + model.safetensors (DFlash layout) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to("cpu", dtype) for k, v in model.checkpoint_tensors().items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = model.config.to_json()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def read_drafter_config(folder: str | Path) -> DFlashConfig:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"DFlash drafter {str(folder)!r} has no {CONFIG_FILE}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    return DFlashConfig.from_json(raw, source=str(path))
+
+
+def _fp8_quantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each projection (and fc) as e4m3 + 128x128 block scales, as an FP8 checkpoint holds it.
+
+    NOTE: q/k/v and gate/up are quantized as separate checkpoint tensors, so when they are
+    stacked into one merged weight each part is dequantized with its own scales.
+    """
+    for name, tensor in tensors:
+        if (
+            name.endswith(".weight")
+            and tensor.dtype != torch.float8_e4m3fn
+            and (name.removeprefix("model.") == "fc.weight" or any(p in name for p in _QUANTIZED))
+        ):
+            weight, scale = quantize_fp8_block(tensor.float())
+            yield name, weight
+            yield f"{name}_scale_inv", scale
+        else:
+            yield name, tensor
+
+
+def load_drafter(
+    folder: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
+) -> DFlashDraftModel:
+    """Builds a drafter from a DFlash checkpoint folder; `quantization="fp8_per_block"` gives
+    the weights an FP8 per-block checkpoint would load. FP8 checkpoints load as they are."""
+    if quantization not in (None, "fp8_per_block"):
+        raise ConfigError(
+            f"drafter quantization {quantization!r} is not supported (None or 'fp8_per_block')"
+        )
+    folder = Path(folder)
+    config = read_drafter_config(folder)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"DFlash drafter {str(folder)!r} has no {WEIGHTS_FILE}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DFlashDraftModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors: Iterable[tuple[str, torch.Tensor]] = ((k, f.get_tensor(k)) for k in f.keys())
+            if quantization == "fp8_per_block":
+                tensors = _fp8_quantize_stream(tensors)
+            loaded = model.load_weights(fp8_block_dequantize_stream(tensors, dtype))
+    except (SafetensorError, OSError) as e:
+        raise CorruptCheckpointError(f"cannot read {str(path)!r}: {e}") from None
+    missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+    if missing:
+        raise CorruptCheckpointError(f"{str(path)!r} lacks drafter weights: {', '.join(missing)}")
+    return model.eval()
+
+
+# -- dense reference attention (training, tests) -------------------------------------------------
+
+
+def dense_block_attention(
+    q: torch.Tensor,  # [Q, H * D]
+    keys: torch.Tensor,  # [S, KV * D]
+    values: torch.Tensor,  # [S, KV * D]
+    visible: torch.Tensor,  # [Q, S] bool
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:  # [Q, H * D]
+    n_q, n_s = q.shape[0], keys.shape[0]
+    qh = q.view(n_q, num_heads, head_dim).transpose(0, 1)[None]  # [1, H, Q, D]
+    kh = keys.view(n_s, num_kv_heads, head_dim).transpose(0, 1)[None].to(q.dtype)
+    vh = values.view(n_s, num_kv_heads, head_dim).transpose(0, 1)[None].to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=visible[None, None], scale=head_dim**-0.5, enable_gqa=True
+    )  # [1, H, Q, D]
+    return out[0].transpose(0, 1).reshape(n_q, num_heads * head_dim)
+
+
+def dense_draft_hidden(
+    model: DFlashDraftModel,
+    target_hidden: torch.Tensor,  # [C, len(ids) * H]: the context of one request, positions 0..C-1
+    block_embeds: torch.Tensor,  # [B, H]: [anchor, MASK x K] embedded
+    anchor_position: int,
+) -> torch.Tensor:  # [B, H]
+    """The draft forward of one block without any cache: every row sees all context + block."""
+    ctx_pos = torch.arange(target_hidden.shape[0], device=block_embeds.device)
+    blk_pos = anchor_position + torch.arange(block_embeds.shape[0], device=block_embeds.device)
+    ctx = model.context_kv(model.features(target_hidden), ctx_pos)
+    n_keys = target_hidden.shape[0] + block_embeds.shape[0]
+    visible = torch.ones(block_embeds.shape[0], n_keys, dtype=torch.bool, device=ctx_pos.device)
+    cfg = model.config
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([ctx[i][0], k])
+        values = torch.cat([ctx[i][1], v])
+        return dense_block_attention(
+            q, keys, values, visible, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+
+    return model.forward_block(block_embeds, blk_pos, attend)
+
+
+# -- the proposer ---------------------------------------------------------------------------------
+
+
+def find_embedding(target: nn.Module) -> torch.Tensor:
+    """The target's input embedding matrix [vocab, hidden]."""
+    for path in ("model.embed_tokens", "embed_tokens"):
+        try:
+            return target.get_submodule(path).weight
+        except AttributeError:
+            continue
+    if hasattr(target, "get_input_embeddings"):
+        return target.get_input_embeddings().weight
+    raise ConfigError(f"target model {type(target).__name__} has no embed_tokens for DFlash")
+
+
+@dataclass
+class _RequestState:
+    blocks: list[int] = field(default_factory=list)  # drafter KV blocks, in position order
+    num_context: int = 0  # positions 0..num_context-1 hold context K/V
+
+
+class DFlashProposer(Proposer):
+    """Drafts with a DFlash drafter; one paged KV cache (its own block pool) for all requests.
+
+    `add_context` writes the context rows' K/V of every drafter layer (features -> k/v -> k-norm
+    -> RoPE) once; `propose` runs one block per request over the cached context. The block's own
+    K/V go into scratch slots after the context (overwritten by the next context rows).
+    """
+
+    def __init__(
+        self,
+        config: Any,  # EngineConfig; reads config.speculative and config.cache.block_size
+        target_model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        spec = getattr(config, "speculative", None)
+        path = getattr(spec, "draft_model", None)
+        quantization = getattr(spec, "draft_quantization", None) or getattr(
+            getattr(config, "model", None), "quantization", None
+        )
+        if path is None:
+            if getattr(getattr(config, "model", None), "model", None) is not None:
+                raise ConfigError(
+                    "speculative method 'dflash' needs speculative.draft_model (a DFlash drafter "
+                    f"folder) for a model other than the default; the shipped drafter is for "
+                    f"{SHIPPED_TARGET}"
+                )
+            path = SHIPPED_DRAFTER
+        drafter = load_drafter(path, device, dtype, quantization=quantization)
+        cache = getattr(config, "cache", None)
+        self._setup(
+            drafter,
+            target_model,
+            num_speculative_tokens=getattr(spec, "num_speculative_tokens", None),
+            block_size=getattr(cache, "block_size", 16),
+            probabilistic=getattr(spec, "draft_sampling", "greedy") == "probabilistic",
+        )
+
+    @classmethod
+    def from_drafter(
+        cls,
+        drafter: DFlashDraftModel,
+        target_model: nn.Module,
+        num_speculative_tokens: int | None = None,
+        block_size: int = 16,
+        probabilistic: bool = False,
+    ) -> DFlashProposer:
+        """A proposer around an already built drafter (tests, training, benchmarks)."""
+        self = cls.__new__(cls)
+        self._setup(drafter, target_model, num_speculative_tokens, block_size, probabilistic)
+        return self
+
+    def _setup(
+        self,
+        drafter: DFlashDraftModel,
+        target_model: nn.Module,
+        num_speculative_tokens: int | None,
+        block_size: int,
+        probabilistic: bool = False,
+    ) -> None:
+        cfg = drafter.config
+        embedding = find_embedding(target_model)
+        if embedding.shape[1] != cfg.hidden_size:
+            raise ConfigError(
+                f"DFlash drafter hidden_size {cfg.hidden_size} does not match the target's "
+                f"{embedding.shape[1]}"
+            )
+        if cfg.mask_token_id >= embedding.shape[0]:
+            raise ConfigError(
+                f"DFlash mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+                f"({embedding.shape[0]})"
+            )
+        num_layers = _num_target_layers(target_model)
+        if num_layers is not None and max(cfg.target_layer_ids) >= num_layers:
+            raise ConfigError(
+                f"DFlash target_layer_ids {list(cfg.target_layer_ids)} need layers the target "
+                f"lacks (it has {num_layers})"
+            )
+        if num_speculative_tokens is not None and num_speculative_tokens > cfg.num_drafts:
+            raise ConfigError(
+                f"num_speculative_tokens={num_speculative_tokens} exceeds what the DFlash drafter "
+                f"proposes per block ({cfg.num_drafts} = block_size - 1)"
+            )
+        self.drafter = drafter
+        self.config = cfg
+        self.target = target_model
+        self.embedding = embedding
+        self.target_layer_ids = tuple(cfg.target_layer_ids)
+        self.num_drafts = num_speculative_tokens or cfg.num_drafts
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.probabilistic = probabilistic
+        self._requests: dict[str, _RequestState] = {}
+        self._free: list[int] = []
+        self._caches: list[torch.Tensor] = []
+        self._grow(64)
+
+    # -- block pool ---------------------------------------------------------------------------
+
+    def _grow(self, num_blocks: int) -> None:
+        """Makes the pool `num_blocks` blocks, keeping what it holds (block 0 is the null block)."""
+        old = self._caches[0].shape[1] if self._caches else 1
+        cfg = self.config
+        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        caches = []
+        for i in range(cfg.num_layers):
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self._caches:
+                cache[:, :old] = self._caches[i]
+            caches.append(cache)
+        self._caches = caches
+        self._free.extend(range(num_blocks - 1, old - 1, -1))
+
+    def _reserve(self, state: _RequestState, num_positions: int) -> None:
+        needed = -(-num_positions // self.block_size)
+        while len(state.blocks) < needed:
+            if not self._free:
+                self._grow(2 * self._caches[0].shape[1])
+            state.blocks.append(self._free.pop())
+
+    def _slots(self, state: _RequestState, start: int, count: int) -> torch.Tensor:
+        idx = torch.arange(start, start + count)
+        table = torch.tensor(state.blocks, dtype=torch.int64)
+        slots = table[idx // self.block_size] * self.block_size + idx % self.block_size
+        return slots.to(self.device)
+
+    # -- Proposer -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def add_context(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        state = self._requests.setdefault(request_id, _RequestState())
+        if start_position > state.num_context:
+            raise ValueError(
+                f"request {request_id!r}: context from position {start_position} but the drafter "
+                f"holds positions 0..{state.num_context - 1} (context must arrive in order)"
+            )
+        expected = len(self.target_layer_ids) * self.config.hidden_size
+        if hidden.dim() != 2 or hidden.shape[1] != expected:
+            raise ValueError(
+                f"request {request_id!r}: context hidden states must be [N, {expected}], "
+                f"got {tuple(hidden.shape)}"
+            )
+        num = hidden.shape[0]
+        if num == 0:
+            return
+        end = start_position + num
+        self._reserve(state, end)
+        positions = torch.arange(start_position, end, device=self.device)
+        feats = self.drafter.features(hidden.to(self.device, self.dtype))  # [N, H]
+        slots = self._slots(state, start_position, num)
+        for cache, (k, v) in zip(
+            self._caches, self.drafter.context_kv(feats, positions), strict=True
+        ):
+            cfg = self.config
+            store_kv(
+                k.view(num, cfg.num_kv_heads, cfg.head_dim),
+                v.view(num, cfg.num_kv_heads, cfg.head_dim),
+                cache,
+                slots,
+            )
+        state.num_context = end
+
+    def remove(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._free.extend(reversed(state.blocks))
+
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @torch.no_grad()
+    def propose(self, requests: list[ProposeRequest]) -> DraftProposal:
+        token_ids: list[list[int]] = [[] for _ in requests]
+        draft_logits: list[torch.Tensor | None] = [None] * len(requests)
+        cfg = self.config
+        rows = cfg.block_size  # anchor + K masks
+        max_pos = cfg.max_position_embeddings
+        active = []
+        for i, r in enumerate(requests):
+            anchor = len(r.token_ids) - 1
+            n = min(r.max_drafts, self.num_drafts)
+            if n <= 0 or anchor < 0 or anchor + rows > max_pos:
+                continue
+            state = self._requests.setdefault(r.request_id, _RequestState())
+            # Context past the anchor (a rollback) is stale; a context shorter than the anchor
+            # (missing hidden states) still drafts, from what it has.
+            state.num_context = min(state.num_context, anchor)
+            self._reserve(state, state.num_context + rows)
+            active.append((i, r, anchor, n, state))
+        if not active:
+            return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
+
+        # Each block row is its own length-1 query over (context + the whole block): attention
+        # with no causal mask inside the block, on the same paged backends as the target.
+        input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        width = max(len(s.blocks) for *_, s in active)
+        for _, r, anchor, _, state in active:
+            input_ids += [r.token_ids[-1]] + [cfg.mask_token_id] * (rows - 1)
+            positions += range(anchor, anchor + rows)
+            slots.append(self._slots(state, state.num_context, rows))
+            seq_lens += [state.num_context + rows] * rows
+            tables += [state.blocks + [0] * (width - len(state.blocks))] * rows
+        dev = self.device
+        n_rows = len(input_ids)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            query_start_loc=torch.arange(n_rows + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=list(range(n_rows + 1)),
+            seq_lens_cpu=seq_lens,
+        )
+        backend = attention_backend(torch.device(dev))
+        scale = cfg.head_dim**-0.5
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = backend.forward(
+                q.view(n_rows, cfg.num_heads, cfg.head_dim),
+                k.view(n_rows, cfg.num_kv_heads, cfg.head_dim),
+                v.view(n_rows, cfg.num_kv_heads, cfg.head_dim),
+                self._caches[i],
+                metadata,
+                scale,
+            )
+            return out.reshape(n_rows, -1)
+
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        embeds = F.embedding(ids, self.embedding).to(self.dtype)  # [n_rows, H]
+        hidden = self.drafter.forward_block(embeds, pos, attend)  # [n_rows, H]
+        # The MASK rows (all but each block's first) predict the tokens at their positions.
+        keep = torch.arange(n_rows, device=dev).view(-1, rows)[:, 1:].reshape(-1)
+        logits = self.target.compute_logits(hidden[keep].to(self.embedding.dtype))
+        logits = logits.float().view(len(active), rows - 1, -1)  # [A, K, vocab]
+        drafts = self._sample(logits, active)  # [A, K]
+        for j, (i, _, _, n, _) in enumerate(active):
+            token_ids[i] = drafts[j, :n].tolist()
+            if self._samples(requests[i]):
+                draft_logits[i] = logits[j, :n]
+        return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
+
+    def _sample(self, logits: torch.Tensor, active: list) -> torch.Tensor:
+        """Drafts from [A, K, vocab] raw logits, position by position: row t is processed as the
+        verifier processes it (libkk.spec.logits: penalties counting drafts 0..t-1 as output,
+        then temperature and filters); greedy drafts take its argmax, probabilistic ones a keyed
+        Gumbel-max on the draft stream (position + DRAFT_POSITION_SALT)."""
+        num_req, k, _ = logits.shape
+        drafts: list[list[int]] = [[] for _ in range(num_req)]
+        sampled = [j for j, a in enumerate(active) if self._samples(a[1])]
+        dev = logits.device
+        for t in range(k):
+            rows = [position_rows(a[1].sampling, drafts[j], t + 1)[t] for j, a in enumerate(active)]
+            processed = process_logits(logits[:, t], rows)  # [A, vocab]
+            tokens = processed.argmax(dim=-1)  # [A]
+            if sampled:
+                idx = torch.tensor(sampled, device=dev)
+                seeds = torch.tensor([rows[j].seed for j in sampled], dtype=torch.int64)
+                positions = torch.tensor(
+                    [rows[j].position + DRAFT_POSITION_SALT for j in sampled], dtype=torch.int64
+                )
+                tokens[idx] = gumbel_argmax(processed[idx], seeds.to(dev), positions.to(dev))
+            for j, token in enumerate(tokens.tolist()):
+                drafts[j].append(token)
+        return torch.tensor(drafts, dtype=torch.int64)
+
+    def _samples(self, r: ProposeRequest) -> bool:
+        """Whether this request's drafts are sampled (else the argmax: one-hot q)."""
+        return self.probabilistic and not r.sampling.params.greedy
+
+
+def _num_target_layers(target: nn.Module) -> int | None:
+    n = getattr(target, "num_layers", None)
+    if isinstance(n, int):
+        return n
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    return len(layers) if layers is not None else None
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """`count` layers spread evenly from layer 1 to num_target_layers - 3 (DFlash's choice)."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, max(1, num_target_layers - 3)
+    return tuple(round(start + (end - start) * i / (count - 1)) for i in range(count))

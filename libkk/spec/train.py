@@ -1,0 +1,768 @@
+"""Distilling a DFlash drafter from the target's own text (`libkk train-drafter`).
+
+1. Prompts (chat-templated) -> the target's continuations (greedy, or keyed sampling).
+2. One prefill over each whole sequence records the target's hidden states after the drafter's
+   `target_layer_ids` (the residual stream after each layer: HF's `hidden_states[i + 1]`).
+3. Training samples random anchor positions p in the generated text: the block
+   [token_p, MASK x K] at positions p..p+K sees the context features of positions < p and the
+   whole block (no causal mask), and its MASK rows learn the target's tokens p+1..p+K
+   (cross-entropy through the target's frozen LM head, weighted exp(-k / decay) by depth k).
+   Many blocks of several sequences run as one dense masked-attention batch.
+4. AdamW; the drafter is written in the DFlash checkpoint layout (`save_drafter`).
+
+`measure_acceptance` runs greedy speculative decoding with a `DFlashProposer` against the target
+and reports the acceptance length (accepted drafts + 1 per verification step).
+
+The target runs here on a private paged KV cache (`TargetRunner`), so this module needs only the
+target model; the CLI loads it and its tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from libkk.errors import ConfigError
+from libkk.layers.forward_context import AttentionMetadata, set_forward_context
+from libkk.sample.gumbel import gumbel_argmax
+from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import SamplingRow
+from libkk.spec.base import ProposeRequest
+from libkk.spec.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DFlashProposer,
+    default_target_layer_ids,
+    dense_block_attention,
+    find_embedding,
+    save_drafter,
+)
+
+
+class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    num_layers: int = 1
+    block_size: int = 8  # anchor + K masks
+    target_layer_ids: tuple[int, ...] | None = None  # None: 3 layers spread over the target
+    mask_token_id: int | None = None  # None: the caller must choose (an unused special token)
+    intermediate_size: int | None = None  # None: the target's
+    init_from_target: bool = True  # copy the shapes that match from the target's last layers
+    num_prompts: int = 256
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: the target's greedy continuations
+    steps: int = 1000
+    seqs_per_step: int = 4
+    blocks_per_seq: int = 8
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    loss_decay: float = 4.0  # weight of depth k: exp(-k / loss_decay)
+    max_minutes: float | None = None  # stop training early at this wall time
+    gen_batch_size: int = 32
+    seed: int = 0
+    eval_prompts: int = 16
+    eval_max_new_tokens: int = 96
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_prompts", "max_new_tokens", "steps", "seqs_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train-drafter: {name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ConfigError(f"train-drafter: block_size must be >= 2, got {self.block_size}")
+        if self.temperature < 0:
+            raise ConfigError(f"train-drafter: temperature must be >= 0, got {self.temperature}")
+
+
+# -- running the target -----------------------------------------------------------------------
+
+
+@dataclass
+class Sequence_:
+    token_ids: list[int]
+    num_cached: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(f"target model {type(target).__name__} has no model.layers")
+    return layers
+
+
+class TargetRunner:
+    """The target on a private paged KV cache, with the chosen layers' hidden states recorded.
+
+    Use as a context manager: it binds its caches to the target's attention layers and restores
+    whatever was bound before on exit.
+    """
+
+    def __init__(
+        self,
+        target: nn.Module,
+        layer_ids: Sequence[int],
+        num_blocks: int = 512,
+        block_size: int = 16,
+    ) -> None:
+        self.target = target
+        self.layer_ids = tuple(layer_ids)
+        self.block_size = block_size
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.caches = [
+            torch.zeros(
+                (2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for a in target.attention_layers()
+        ]
+        self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
+        self._recorded: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> TargetRunner:
+        attns = self.target.attention_layers()
+        self._previous = [a.kv_cache for a in attns]
+        for a, cache in zip(attns, self.caches, strict=True):
+            a.kv_cache = cache
+        layers = decoder_layers(self.target)
+
+        def hook(index: int) -> Callable[..., None]:
+            def record(module: nn.Module, args: Any, output: Any) -> None:
+                hidden, residual = output  # the residual stream is carried separately
+                self._recorded[index] = hidden + residual
+
+            return record
+
+        self._hooks = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hooks:
+            h.remove()
+        for a, cache in zip(self.target.attention_layers(), self._previous, strict=True):
+            a.kv_cache = cache
+
+    def release(self, seq: Sequence_) -> None:
+        self.free.extend(seq.blocks)
+        seq.blocks = []
+
+    @torch.no_grad()
+    def step(self, seqs: list[Sequence_]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Runs every sequence's uncached tokens as one flat batch; marks them cached.
+
+        Returns (final hidden [T, H], chosen layers' hidden [T, len(ids) * H], query starts).
+        """
+        ids, pos, slots, starts, seq_lens = [], [], [], [0], []
+        for s in seqs:
+            needed = -(-len(s.token_ids) // self.block_size)
+            while len(s.blocks) < needed:
+                if not self.free:
+                    raise RuntimeError("TargetRunner ran out of KV blocks; raise num_blocks")
+                s.blocks.append(self.free.pop())
+            for p in range(s.num_cached, len(s.token_ids)):
+                ids.append(s.token_ids[p])
+                pos.append(p)
+                slots.append(s.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            starts.append(len(ids))
+            seq_lens.append(len(s.token_ids))
+        width = max(len(s.blocks) for s in seqs)
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(
+                [s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
+                dtype=torch.int32,
+                device=dev,
+            ),
+            block_size=self.block_size,
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        self._recorded.clear()
+        with set_forward_context(metadata):
+            hidden = self.target(
+                torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(pos, dtype=torch.int64, device=dev),
+            )
+        layers = torch.cat([self._recorded[i] for i in self.layer_ids], dim=-1)
+        for s in seqs:
+            s.num_cached = len(s.token_ids)
+        return hidden, layers, starts
+
+
+def generate(
+    runner: TargetRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> list[list[int]]:
+    """The target's continuations of each prompt (token ids, ending at a stop token or the cap);
+    random rows use keyed Gumbel noise at (seed + prompt index, position)."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    stop = set(stop_ids)
+    bar = tqdm(total=len(prompts), desc="Generating", file=sys.stderr, disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        idx = list(range(start, min(start + batch_size, len(prompts))))
+        seqs = {i: Sequence_(list(prompts[i])) for i in idx}
+        live = list(idx)
+        while live:
+            hidden, _, starts = runner.step([seqs[i] for i in live])
+            logits = runner.target.compute_logits(hidden[[e - 1 for e in starts[1:]]])
+            if temperature > 0:
+                seeds = torch.tensor([seed + i for i in live], dtype=torch.int64)
+                positions = torch.tensor([len(seqs[i].token_ids) for i in live])
+                tokens = gumbel_argmax(logits.cpu() / temperature, seeds, positions)
+            else:
+                tokens = logits.argmax(dim=-1)
+            still = []
+            for i, t in zip(live, tokens.tolist(), strict=True):
+                outputs[i].append(t)
+                seqs[i].token_ids.append(t)
+                if t in stop or len(outputs[i]) >= max_new_tokens:
+                    runner.release(seqs[i])
+                    bar.update(1)
+                else:
+                    still.append(i)
+            live = still
+    bar.close()
+    return outputs
+
+
+@torch.no_grad()
+def target_hidden_states(
+    runner: TargetRunner, sequences: Sequence[Sequence[int]], max_tokens_per_step: int = 4096
+) -> list[torch.Tensor]:
+    """[len(seq), len(ids) * H] chosen-layer hidden states of each whole sequence (CPU, bf16)."""
+    out: list[torch.Tensor] = []
+    batch: list[Sequence_] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        _, layers, starts = runner.step(batch)
+        for j, s in enumerate(batch):
+            out.append(layers[starts[j] : starts[j + 1]].to("cpu", torch.bfloat16))
+            runner.release(s)
+        batch.clear()
+
+    for seq in sequences:
+        if batch and sum(len(s.token_ids) for s in batch) + len(seq) > max_tokens_per_step:
+            flush()
+        batch.append(Sequence_(list(seq)))
+    flush()
+    return out
+
+
+# -- the drafter ------------------------------------------------------------------------------
+
+
+def drafter_config_for(target: nn.Module, options: TrainOptions, name: str | None) -> DFlashConfig:
+    embedding = find_embedding(target)
+    attn = target.attention_layers()[0]
+    num_target_layers = len(decoder_layers(target))
+    ids = options.target_layer_ids or default_target_layer_ids(num_target_layers, 3)
+    if max(ids) >= num_target_layers or min(ids) < 0:
+        raise ConfigError(
+            f"train-drafter: target_layer_ids {list(ids)} must lie in [0, {num_target_layers})"
+        )
+    if options.mask_token_id is None:
+        raise ConfigError("train-drafter: mask_token_id is required (an unused special token)")
+    mlp = decoder_layers(target)[0].mlp
+    intermediate = options.intermediate_size or mlp.down_proj.in_features
+    rotary = getattr(target, "rotary_emb", None)
+    theta = rotary.rope.theta if rotary is not None else 10000.0
+    max_pos = rotary.max_position if rotary is not None else 8192
+    return DFlashConfig(
+        hidden_size=embedding.shape[1],
+        intermediate_size=intermediate,
+        num_layers=options.num_layers,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        vocab_size=embedding.shape[0],
+        target_layer_ids=tuple(ids),
+        mask_token_id=options.mask_token_id,
+        block_size=options.block_size,
+        rms_norm_eps=getattr(getattr(target, "config", None), "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=max_pos,
+        num_target_layers=num_target_layers,
+        target_model=name,
+    )
+
+
+@torch.no_grad()
+def init_drafter(
+    config: DFlashConfig,
+    target: nn.Module | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> DFlashDraftModel:
+    """A drafter in fp32: linears ~ N(0, 0.02), norms 1; with `target`, every parameter whose
+    name and shape match is copied from the target's last layers (a warm start)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device(device):
+        model = DFlashDraftModel(config)
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if target is not None:
+        layers = decoder_layers(target)
+        for i, layer in enumerate(model.layers):
+            source = dict(layers[len(layers) - len(model.layers) + i].named_parameters())
+            for name, p in layer.named_parameters():
+                if name in source and source[name].shape == p.shape:
+                    p.copy_(source[name].float())
+        final_norm = getattr(getattr(target, "model", None), "norm", None)
+        if final_norm is not None and final_norm.weight.shape == model.norm.weight.shape:
+            model.norm.weight.copy_(final_norm.weight.float())  # the LM head's input scale
+    return model
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    prompt_len: int
+    hidden: torch.Tensor  # [len(token_ids), len(ids) * H] bf16
+
+
+@dataclass
+class StepStats:
+    loss: float
+    accuracy: list[float]  # per depth k, top-1 agreement with the target's token
+    acceptance: float  # mean over blocks of (correct prefix length + 1)
+
+
+class DrafterTrainer:
+    """Dense masked-attention training of a drafter over random anchor blocks."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        embedding: torch.Tensor,  # [vocab, H] the target's (frozen)
+        lm_head: torch.Tensor,  # [vocab, H] the target's (frozen)
+        options: TrainOptions,
+    ) -> None:
+        self.drafter = drafter
+        self.embedding = embedding.detach()
+        self.lm_head = lm_head.detach()
+        self.options = options
+        self.params = [p for p in drafter.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
+        )
+        k = drafter.config.block_size - 1
+        self.depth_weight = torch.exp(-torch.arange(k, dtype=torch.float32) / options.loss_decay)
+        self.step_count = 0
+
+    def lr_at(self, step: int, progress: float | None = None) -> float:
+        """Linear warmup, then cosine to 10% over `progress` (default: step / steps)."""
+        o = self.options
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        frac = progress if progress is not None else step / max(1, o.steps)
+        return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    def batch_loss(
+        self, samples: list[Sample], anchors: list[list[int]]
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Loss of the blocks anchored at anchors[i] in samples[i]."""
+        d = self.drafter
+        cfg = d.config
+        rows = cfg.block_size
+        k = rows - 1
+        dev = self.embedding.device
+        ctx_hidden = torch.cat([s.hidden for s in samples]).to(dev, torch.float32)
+        ctx_pos = torch.cat([torch.arange(len(s.token_ids)) for s in samples]).to(dev)
+        ctx_seq = torch.cat([torch.full((len(s.token_ids),), i) for i, s in enumerate(samples)]).to(
+            dev
+        )
+        ids, pos, labels, blk_seq, blk_anchor = [], [], [], [], []
+        for i, (s, ps) in enumerate(zip(samples, anchors, strict=True)):
+            for p in ps:
+                ids += [s.token_ids[p]] + [cfg.mask_token_id] * k
+                pos += range(p, p + rows)
+                labels.append(
+                    [
+                        s.token_ids[t] if t < len(s.token_ids) else -100
+                        for t in range(p + 1, p + rows)
+                    ]
+                )
+                blk_seq.append(i)
+                blk_anchor.append(p)
+        n_blocks = len(labels)
+        q_block = torch.arange(n_blocks, device=dev).repeat_interleave(rows)  # [Q]
+        q_seq = torch.tensor(blk_seq, device=dev)[q_block]
+        q_anchor = torch.tensor(blk_anchor, device=dev)[q_block]
+        # Context rows of the same sequence before the anchor; every row of the same block.
+        see_ctx = (ctx_seq[None, :] == q_seq[:, None]) & (ctx_pos[None, :] < q_anchor[:, None])
+        see_blk = q_block[:, None] == q_block[None, :]
+        visible = torch.cat([see_ctx, see_blk], dim=1)  # [Q, C + Q]
+
+        ctx = d.context_kv(d.features(ctx_hidden), ctx_pos)
+
+        def attend(i: int, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return dense_block_attention(
+                q,
+                torch.cat([ctx[i][0], kk]),
+                torch.cat([ctx[i][1], v]),
+                visible,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+
+        embeds = F.embedding(torch.tensor(ids, device=dev), self.embedding).float()
+        hidden = d.forward_block(embeds, torch.tensor(pos, device=dev), attend)  # [Q, H]
+        hidden = hidden.view(n_blocks, rows, -1)[:, 1:].reshape(n_blocks * k, -1)
+        logits = hidden @ self.lm_head.float().t()  # [B * K, vocab]
+        target = torch.tensor(labels, device=dev)  # [B, K]
+        ce = F.cross_entropy(logits, target.view(-1), ignore_index=-100, reduction="none")
+        valid = (target != -100).float()  # [B, K]
+        w = self.depth_weight.to(dev)[None, :] * valid
+        loss = (ce.view(n_blocks, k) * w).sum() / w.sum().clamp_min(1.0)
+        with torch.no_grad():
+            correct = (logits.argmax(-1).view(n_blocks, k) == target) & (target != -100)
+            acc = (correct.float().sum(0) / valid.sum(0).clamp_min(1.0)).tolist()
+            acceptance = float(correct.long().cumprod(-1).sum(-1).float().mean()) + 1.0
+        return loss, StepStats(loss=float(loss.detach()), accuracy=acc, acceptance=acceptance)
+
+    def step(
+        self, samples: list[Sample], anchors: list[list[int]], progress: float | None = None
+    ) -> StepStats:
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step_count, progress)
+        loss, stats = self.batch_loss(samples, anchors)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.step_count += 1
+        return stats
+
+
+def random_anchors(sample: Sample, count: int, rng: random.Random) -> list[int]:
+    """Anchor positions in the generated part, each with at least one target token after it."""
+    lo, hi = max(sample.prompt_len - 1, 0), len(sample.token_ids) - 2
+    if hi < lo:
+        return []
+    return [rng.randint(lo, hi) for _ in range(count)]
+
+
+def train_loop(
+    trainer: DrafterTrainer,
+    samples: list[Sample],
+    progress: bool = True,
+    log: Callable[[int, StepStats], None] | None = None,
+) -> list[StepStats]:
+    o = trainer.options
+    rng = random.Random(o.seed)
+    usable = [s for s in samples if len(s.token_ids) - s.prompt_len >= 2]
+    if not usable:
+        raise ConfigError("train-drafter: no generated sequence is long enough to train on")
+    history: list[StepStats] = []
+    start = time.monotonic()
+    bar = tqdm(range(o.steps), desc="Training", file=sys.stderr, disable=not progress)
+    for step in bar:
+        batch = rng.sample(usable, min(o.seqs_per_step, len(usable)))
+        anchors = [random_anchors(s, o.blocks_per_seq, rng) for s in batch]
+        # Progress through the schedule: by steps, or by wall time when that ends training first.
+        frac = step / o.steps
+        if o.max_minutes is not None:
+            frac = max(frac, (time.monotonic() - start) / (60 * o.max_minutes))
+        stats = trainer.step(batch, anchors, frac)
+        history.append(stats)
+        recent = history[-20:]
+        bar.set_postfix(
+            loss=f"{sum(h.loss for h in recent) / len(recent):.3f}",
+            accept=f"{sum(h.acceptance for h in recent) / len(recent):.2f}",
+        )
+        if log is not None:
+            log(step, stats)
+        if o.max_minutes is not None and time.monotonic() - start > 60 * o.max_minutes:
+            break
+    bar.close()
+    return history
+
+
+# -- acceptance --------------------------------------------------------------------------------
+
+
+@dataclass
+class AcceptanceReport:
+    mean_acceptance_length: float  # accepted drafts + 1, averaged over verification steps
+    verification_steps: int
+    generated_tokens: int
+    outputs: list[list[int]]
+
+
+@torch.no_grad()
+def measure_acceptance(
+    target: nn.Module,
+    proposer: DFlashProposer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    num_drafts: int | None = None,
+    progress: bool = False,
+) -> AcceptanceReport:
+    """Greedy speculative decoding with `proposer`: each step verifies the drafts with one target
+    forward over [last token, drafts], keeps the matching prefix plus the target's own token."""
+    k = num_drafts or proposer.num_drafts
+    stop = set(stop_ids)
+    lengths: list[int] = []
+    outputs: list[list[int]] = []
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    with TargetRunner(target, proposer.target_layer_ids) as runner:
+        for n, prompt in enumerate(tqdm(prompts, disable=not progress, file=sys.stderr)):
+            rid = f"accept-{n}"
+            seq = Sequence_(list(prompt))
+            hidden, layers, _ = runner.step([seq])
+            token = int(target.compute_logits(hidden[-1:]).argmax(-1))
+            proposer.add_context(rid, 0, layers)
+            out = [token]
+            while token not in stop and len(out) < max_new_tokens:
+                tokens = seq.token_ids + [token]
+                row = SamplingRow(greedy, 0, len(tokens), prompt, out)
+                budget = min(k, max_new_tokens - len(out) - 1)
+                drafts = proposer.propose([ProposeRequest(rid, tokens, row, budget)]).token_ids[0]
+                start = len(seq.token_ids)
+                seq.token_ids = tokens + drafts
+                hidden, layers, _ = runner.step([seq])
+                verified = target.compute_logits(hidden).argmax(-1).tolist()  # [1 + n]
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+                    accepted += 1
+                new = drafts[:accepted] + [verified[accepted]]
+                # Only the anchor and the accepted drafts stay: their hidden states are final.
+                proposer.add_context(rid, start, layers[: accepted + 1])
+                seq.token_ids = tokens + drafts[:accepted]
+                seq.num_cached = len(seq.token_ids)
+                for t in new:
+                    if len(out) < max_new_tokens and out[-1] not in stop:
+                        out.append(t)
+                token = out[-1]
+                lengths.append(accepted + 1)
+            proposer.remove(rid)
+            runner.release(seq)
+            outputs.append(out)
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    return AcceptanceReport(mean, len(lengths), sum(len(o) for o in outputs), outputs)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+_TOPICS = (
+    "the water cycle",
+    "photosynthesis",
+    "black holes",
+    "the French Revolution",
+    "volcanoes",
+    "machine learning",
+    "the immune system",
+    "climate change",
+    "the Roman Empire",
+    "electricity",
+    "the stock market",
+    "honey bees",
+    "the moon landing",
+    "vaccines",
+    "plate tectonics",
+    "the internet",
+    "renewable energy",
+    "the human heart",
+    "ancient Egypt",
+    "gravity",
+    "recycling",
+    "the printing press",
+    "dinosaurs",
+    "rainbows",
+    "the Olympic Games",
+    "coffee",
+    "chess",
+    "the Great Wall of China",
+    "earthquakes",
+    "sleep",
+    "music theory",
+    "the solar system",
+    "bread baking",
+    "democracy",
+    "oceans",
+    "friendship",
+    "exercise",
+    "the Amazon rainforest",
+    "computers",
+    "time management",
+    "gardening",
+    "birds",
+    "the periodic table",
+    "money",
+    "languages",
+    "Shakespeare",
+    "cats",
+    "the weather",
+    "space travel",
+    "healthy eating",
+    "mountains",
+    "trains",
+    "the brain",
+    "robots",
+)
+_HELD_OUT_TOPICS = (
+    "lighthouses",
+    "jazz",
+    "glaciers",
+    "the Silk Road",
+    "octopuses",
+    "bicycles",
+    "tea",
+    "submarines",
+    "deserts",
+    "fireworks",
+    "penguins",
+    "bridges",
+    "libraries",
+    "tornadoes",
+    "the Renaissance",
+    "coral reefs",
+    "windmills",
+    "origami",
+    "wolves",
+    "comets",
+)
+_TEMPLATES = (
+    "Explain {} to a ten-year-old.",
+    "Write a short paragraph about {}.",
+    "What are three interesting facts about {}?",
+    "Give me a simple summary of {}.",
+    "Why is {} important?",
+    "Write a short poem about {}.",
+    "List some common questions people ask about {}, with answers.",
+    "Describe {} in a few sentences.",
+)
+
+
+def builtin_prompts(held_out: bool = False) -> list[str]:
+    """Instruction prompts (topics x templates); the held-out set shares no topic with the rest."""
+    topics = _HELD_OUT_TOPICS if held_out else _TOPICS
+    prompts = [t.format(topic) for topic in topics for t in _TEMPLATES]
+    random.Random(1234).shuffle(prompts)
+    return prompts
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a one-turn chat prompt (the chat template if the tokenizer has one)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    return tokenizer.encode(text)
+
+
+# -- the whole recipe ---------------------------------------------------------------------------
+
+
+@dataclass
+class TrainReport:
+    output_dir: Path
+    num_sequences: int
+    num_generated_tokens: int
+    steps: int
+    final_loss: float
+    train_acceptance: float  # estimated from the last training batches
+    acceptance: AcceptanceReport | None
+    seconds: float
+
+
+def train_drafter(
+    target: nn.Module,
+    tokenizer: Any,
+    output_dir: str | Path,
+    options: TrainOptions,
+    target_name: str | None = None,
+    prompts: Sequence[str] | None = None,
+    eval_prompts: Sequence[str] | None = None,
+    progress: bool = True,
+) -> TrainReport:
+    """Self-distills a DFlash drafter for `target` and writes it to `output_dir`."""
+    begin = time.monotonic()
+    torch.manual_seed(options.seed)
+    stop_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+    texts = list(prompts) if prompts is not None else builtin_prompts()
+    texts = (texts * (1 + options.num_prompts // max(1, len(texts))))[: options.num_prompts]
+    prompt_ids = [chat_prompt_ids(tokenizer, t) for t in texts]
+    config = drafter_config_for(target, options, target_name)
+    device = next(target.parameters()).device
+
+    with TargetRunner(target, config.target_layer_ids) as runner:
+        continuations = generate(
+            runner,
+            prompt_ids,
+            options.max_new_tokens,
+            stop_ids,
+            options.temperature,
+            options.seed,
+            options.gen_batch_size,
+            progress,
+        )
+        sequences = [p + c for p, c in zip(prompt_ids, continuations, strict=True)]
+        hidden = target_hidden_states(runner, sequences)
+    samples = [
+        Sample(seq, len(p), h) for seq, p, h in zip(sequences, prompt_ids, hidden, strict=True)
+    ]
+
+    drafter = init_drafter(
+        config, target if options.init_from_target else None, options.seed, device
+    )
+    lm_head = target.lm_head.weight if hasattr(target, "lm_head") else find_embedding(target)
+    trainer = DrafterTrainer(drafter, find_embedding(target), lm_head, options)
+    history = train_loop(trainer, samples, progress)
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    drafter.eval()
+    out = save_drafter(drafter, output_dir)
+
+    acceptance = None
+    if options.eval_prompts > 0:
+        held = list(eval_prompts) if eval_prompts is not None else builtin_prompts(True)
+        held_ids = [chat_prompt_ids(tokenizer, t) for t in held[: options.eval_prompts]]
+        proposer = DFlashProposer.from_drafter(drafter, target)
+        acceptance = measure_acceptance(
+            target, proposer, held_ids, options.eval_max_new_tokens, stop_ids
+        )
+    recent = history[-50:]
+    return TrainReport(
+        output_dir=out,
+        num_sequences=len(samples),
+        num_generated_tokens=sum(len(c) for c in continuations),
+        steps=len(history),
+        final_loss=sum(h.loss for h in recent) / len(recent),
+        train_acceptance=sum(h.acceptance for h in recent) / len(recent),
+        acceptance=acceptance,
+        seconds=time.monotonic() - begin,
+    )
