@@ -19,7 +19,7 @@ from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.detokenizer import IncrementalDetokenizer
-from libkk.engine.executor import TensorParallelError, TPExecutor
+from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
 from libkk.engine.outputs import Logprob, RequestOutput
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
@@ -66,9 +66,7 @@ class Engine:
         self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
         # Tensor parallelism: workers start and load their slices while this rank loads its own.
-        self.executor: TPExecutor | None = None
-        if config.parallel.tensor_parallel_size > 1:
-            self.executor = TPExecutor(config, self.model_dir, self.device)
+        self.executor: TPExecutor | None = start_executor(config, self.model_dir, self.device)
         self.model, self.arch = load_model(
             self.model_dir,
             self.dtype,

@@ -39,7 +39,12 @@ import msgspec
 import torch
 
 from libkk.config import EngineConfig
-from libkk.dist import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from libkk.dist import (
+    broadcast_object,
+    destroy_tensor_parallel,
+    get_tp_size,
+    init_tensor_parallel,
+)
 from libkk.errors import ConfigError, LibkkError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
@@ -78,6 +83,24 @@ def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
             f"tensor_parallel_size={size} needs {size} CUDA devices; "
             f"{torch.cuda.device_count()} are visible"
         )
+
+
+def start_executor(
+    config: EngineConfig, model_dir: Path, device: torch.device
+) -> TPExecutor | None:
+    """The workers of a tensor-parallel engine (None at one rank).
+
+    NOTE: the tensor-parallel group is per process and layers are built for it, so while one
+    tensor-parallel engine lives in a process no other engine can be built there.
+    """
+    if get_tp_size() > 1:
+        raise ConfigError(
+            "a tensor-parallel Session is open in this process: close it before starting "
+            "another Session (one tensor-parallel group per process)"
+        )
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    return TPExecutor(config, model_dir, device)
 
 
 def check_model_split(arch: ArchConfig, size: int) -> None:
@@ -346,8 +369,6 @@ def _stop_all() -> None:
 
 
 def _group_joined() -> bool:
-    from libkk.dist import get_tp_size
-
     return get_tp_size() > 1
 
 

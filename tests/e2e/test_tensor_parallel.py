@@ -152,6 +152,9 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(model_dirs):
         # 2 KV heads over 4 ranks: each rank caches the one KV head its query head reads.
         assert engine.model.num_kv_heads == 1
         assert engine.runner.kv_caches[0].shape[3] == 1
+        # One tensor-parallel group per process: no other Session while this one is open.
+        with pytest.raises(ConfigError, match="tensor-parallel Session is open"):
+            Session(str(model_dirs["llama"]), **SETTINGS)
         outs = session.generate(PROMPTS, GREEDY)
     finally:
         session.close()
