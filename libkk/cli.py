@@ -58,6 +58,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=["ngram", "draft_model", "dflash"],
+        default=None,
+        metavar="METHOD",
+        help="speculative decoding: ngram, draft_model (needs --draft-model) or dflash",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
+    p.add_argument("--draft-model", default=None, help="the drafter's folder (or .gguf)")
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig.from_file(args.config) if args.config else EngineConfig()
     if args.model is not None:
@@ -65,6 +77,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = dict(args.settings)
     if getattr(args, "tensor_parallel_size", None) is not None:
         settings["tensor_parallel_size"] = args.tensor_parallel_size
+    for flag, key in (
+        ("speculative", "method"),
+        ("num_speculative_tokens", "num_speculative_tokens"),
+        ("draft_model", "draft_model"),
+    ):
+        if getattr(args, flag, None) is not None:
+            settings[key] = getattr(args, flag)
     return config.updated(**settings)
 
 
@@ -92,6 +111,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"[{len(output.token_ids)} tokens, finish={output.finish_reason}, "
                 f"ttft={t.time_to_first_token * 1e3:.0f} ms, "
                 f"decode {(len(output.token_ids) - 1) / max(t.decode_time or 0, 1e-9):.1f} tok/s]",
+                file=sys.stderr,
+            )
+        stats = session.stats()
+        if args.verbose and "spec_mean_acceptance_length" in stats:
+            print(
+                f"[speculative: {stats['spec_num_accepted_tokens']} of "
+                f"{stats['spec_num_draft_tokens']} drafts accepted, mean acceptance length "
+                f"{stats['spec_mean_acceptance_length']:.2f}]",
                 file=sys.stderr,
             )
     return 0
@@ -340,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_engine_args(gen)
     _add_sampling_args(gen)
+    _add_speculative_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="an interactive conversation with the chat template")

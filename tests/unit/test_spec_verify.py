@@ -1,0 +1,116 @@
+"""Verification of drafts in the runner: per-position processing, synthetic acceptance rates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libkk.runtime.io import ScheduledRequest
+from libkk.runtime.verify import verify
+from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import Sampler, SamplingRow
+from libkk.spec.logits import position_rows
+
+VOCAB = 32
+
+
+def _request(rid, drafts, params, seed=0, position=10, output=(), draft_logits=None):
+    row = SamplingRow(
+        params=params,
+        seed=seed,
+        position=position,
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=list(output),
+        banned_token_ids=(),
+    )
+    return ScheduledRequest(
+        request_id=rid,
+        token_ids=[5, *drafts],
+        num_computed_tokens=position - 1,
+        block_ids=[1],
+        sampling=row,
+        spec_token_ids=list(drafts),
+        draft_logits=draft_logits,
+    )
+
+
+def test_position_rows_see_accepted_drafts():
+    params = SamplingParams(min_tokens=3, repetition_penalty=1.5)
+    row = SamplingRow(
+        params=params,
+        seed=7,
+        position=4,
+        prompt_token_ids=[1],
+        output_token_ids=[9],
+        banned_token_ids=(2,),
+    )
+    rows = position_rows(row, [11, 12, 13], 4)
+    assert [r.position for r in rows] == [4, 5, 6, 7]
+    assert [list(r.output_token_ids) for r in rows] == [[9], [9, 11], [9, 11, 12], [9, 11, 12, 13]]
+    # One output token so far: bans hold while fewer than min_tokens = 3 exist.
+    assert [tuple(r.banned_token_ids) for r in rows] == [(2,), (2,), (), ()]
+
+
+def test_greedy_verification_matches_sequential_sampling():
+    """Accepted drafts + the correction equal what the plain sampler picks row by row, with
+    penalties that count the accepted drafts."""
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5)
+    logits = torch.randn(4, VOCAB)  # [1 + n, V]
+    sampler = Sampler()
+    # The plain sampler's picks at each position, feeding its own tokens back as output.
+    want, output = [], [7]
+    for k in range(4):
+        row = SamplingRow(params, 0, 10 + k, [1, 2, 3], list(output))
+        token = sampler(logits[k : k + 1], [row]).token_ids[0]
+        want.append(token)
+        output.append(token)
+    # Drafts: the first two right, the third wrong.
+    drafts = [want[0], want[1], (want[2] + 1) % VOCAB]
+    [(tokens, _)] = verify([logits], [_request("r", drafts, params, output=[7])])
+    assert tokens == want[:3]
+    # All right: the bonus token at the fourth row.
+    [(tokens, _)] = verify([logits], [_request("r", want[:3], params, output=[7])])
+    assert tokens == want
+
+
+def test_bonus_token_is_the_plain_samplers_draw():
+    torch.manual_seed(1)
+    params = SamplingParams(temperature=0.8, top_k=10, seed=3)
+    logits = torch.randn(3, VOCAB)
+    draft_logits = logits[:2].clone()  # q == p: every draft is accepted
+    sampler = Sampler()
+    out = [5]
+    drafts = []
+    for k in range(2):
+        row = SamplingRow(params, 3, 10 + k, [1], list(out))
+        t = sampler(logits[k : k + 1], [row]).token_ids[0]
+        drafts.append(t)
+        out.append(t)
+    bonus_row = SamplingRow(params, 3, 12, [1], list(out))
+    bonus = sampler(logits[2:3], [bonus_row]).token_ids[0]
+    req = _request("r", drafts, params, seed=3, output=[5], draft_logits=draft_logits)
+    [(tokens, _)] = verify([logits], [req])
+    assert tokens == [*drafts, bonus]
+
+
+@pytest.mark.parametrize("rates", [[0.5], [0.9, 0.6, 0.3]])
+def test_synthetic_accepts_at_configured_rates(rates):
+    k = 3
+    per_pos = [rates[min(j, len(rates) - 1)] for j in range(k)]
+    logits = torch.zeros(k + 1, VOCAB)
+    params = SamplingParams(temperature=0.0)
+    reqs = [_request(f"r{i}", [1, 2, 3], params, seed=i, position=20 + i) for i in range(4000)]
+    results = verify([logits] * len(reqs), reqs, synthetic_rates=rates)
+    accepted = torch.tensor([len(t) - 1 for t, _ in results])
+    for j in range(k):
+        reached = int((accepted >= j).sum())
+        took = int((accepted >= j + 1).sum())
+        rate = took / reached
+        sigma = (per_pos[j] * (1 - per_pos[j]) / reached) ** 0.5
+        assert abs(rate - per_pos[j]) < 4 * sigma + 1e-9, (j, rate, per_pos[j])
+    # Deterministic: the same keyed uniforms give the same result.
+    again = verify([logits] * 50, reqs[:50], synthetic_rates=rates)
+    assert again == results[:50]
+    # The token after the accepted run is the target's argmax (zeros: token 0).
+    assert all(t[-1] == 0 for t, _ in results)
