@@ -1,0 +1,159 @@
+"""GPU decode speed with speculative decoding at the 8B shape: synthetic acceptance and n-gram.
+
+Random bf16 weights at a real shape, written as a checkpoint folder by benchmarks/decode.py's
+helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --prompt token prompt.
+
+- baseline: no speculation;
+- synthetic: K = 7 drafts every step (any tokens: a stand-in proposer repeats the anchor) accepted
+  with one keyed per-position rate r chosen so the expected acceptance length
+  1 + r + ... + r^K is 2, 3.5 and 5 (rejection_sample_method="synthetic": outputs then differ
+  from the target's; the drafter costs nothing, so this is the verification side's ceiling);
+- ngram: the n-gram proposer on a repetitive workload (a random 32-token phrase repeated). With
+  random weights the target does not continue the pattern, so the acceptance it reaches is
+  reported as measured.
+
+Decode tok/s = requests * tokens / the slowest request's decode time (first token to last).
+
+    python benchmarks/spec.py --batch 1 8 32 [--shape qwen3-8b] [--out spec.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import SHAPES, prompts, write_checkpoint  # noqa: E402
+
+K = 7
+ACCEPTANCE_LENGTHS = (2.0, 3.5, 5.0)
+
+
+def rate_for_length(length: float, k: int = K) -> float:
+    """The constant per-position acceptance rate r with 1 + r + ... + r^k = length."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**j for j in range(k + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class RepeatAnchor:
+    """A free proposer for the synthetic runs: max_drafts copies of the anchor token."""
+
+    target_layer_ids: tuple[int, ...] = ()
+
+    def propose(self, requests):
+        from libkk.spec.base import DraftProposal
+
+        drafts = [[r.token_ids[-1]] * r.max_drafts for r in requests]
+        return DraftProposal(token_ids=drafts, draft_logits=[None] * len(requests))
+
+    def add_context(self, request_id, start_position, hidden):
+        pass
+
+    def remove(self, request_id):
+        pass
+
+
+def run(path: Path, ids: list[list[int]], tokens: int, repeats: int, device: str, **spec) -> dict:
+    from libkk import SamplingParams, Session
+
+    batch, prompt = len(ids), len(ids[0])
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    with Session(
+        str(path),
+        dtype="bfloat16",
+        device=device,
+        max_model_len=prompt + tokens + 32,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, prompt),
+        progress=False,
+        **spec,
+    ) as s:
+        if spec.get("rejection_sample_method") == "synthetic":
+            s.engine.proposer = RepeatAnchor()
+        s.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+        before = s.stats()
+        tok_s = []
+        for _ in range(repeats):
+            outs = s.generate(ids, params)
+            decode = max(o.timeline.decode_time for o in outs)
+            tok_s.append(batch * tokens / decode)
+        after = s.stats()
+    row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)]}
+    if "spec_num_verify_steps" in after:
+        steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
+        accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        row["acceptance_length"] = 1 + accepted / steps if steps else 1.0
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/libkk-bench")
+    ap.add_argument("--out", default="spec.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny shape")
+    args = ap.parse_args()
+
+    path = Path(args.dir) / args.shape
+    t0 = time.perf_counter()
+    write_checkpoint(args.shape, path, args.device)
+    print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}", flush=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rows = []
+    for batch in args.batch:
+        ids = prompts(batch, args.prompt, vocab)
+        phrase = prompts(batch, 32, vocab, seed=1)
+        repetitive = [(p * (args.prompt // 32 + 1))[: args.prompt] for p in phrase]
+        cases = [("none", ids, {})]
+        for length in ACCEPTANCE_LENGTHS:
+            spec = dict(
+                method="ngram",
+                num_speculative_tokens=K,
+                rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[rate_for_length(length)],
+            )
+            cases.append((f"synthetic {length}", ids, spec))
+        cases.append(("ngram", repetitive, dict(method="ngram", num_speculative_tokens=K)))
+        cases.append(("none (repetitive)", repetitive, {}))
+        base = None
+        for name, workload, spec in cases:
+            row = {"batch": batch, "case": name}
+            row |= run(path, workload, args.tokens, args.repeats, args.device, **spec)
+            if name == "none":
+                base = row["tok_s"]
+            row["speedup"] = row["tok_s"] / base if base else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    print(
+        f"\n{args.shape} decode with speculation, K={K}, prompt {args.prompt}, {args.tokens} tokens"
+    )
+    print(f"{'batch':>6}  {'case':<20}{'tok/s':>10}{'speedup':>9}{'acc. len':>10}")
+    for r in rows:
+        acc = r.get("acceptance_length")
+        print(
+            f"{r['batch']:>6}  {r['case']:<20}{r['tok_s']:>10.1f}{r['speedup'] or 0:>9.2f}"
+            f"{acc if acc is not None else float('nan'):>10.2f}"
+        )
+    Path(args.out).write_text(json.dumps({"shape": args.shape, "k": K, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
