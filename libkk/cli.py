@@ -301,6 +301,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
+    from libkk.errors import ConfigError
     from libkk.models.default import DEFAULT_MODEL_NAME, resolve_model_path
     from libkk.models.loader import load_model
     from libkk.models.tokenizer import Tokenizer
@@ -322,6 +323,25 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.prompts:
         with open(args.prompts, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
+    if args.measure is not None:  # only measure an existing drafter on held-out prompts
+        from libkk.spec.dflash import DFlashProposer, load_drafter
+        from libkk.spec.train import builtin_prompts, chat_prompt_ids, measure_acceptance
+
+        drafter = load_drafter(args.measure, device, dtype, quantization=args.quantization)
+        proposer = DFlashProposer.from_drafter(drafter, target)
+        held = prompts or builtin_prompts(held_out=True)
+        ids = [chat_prompt_ids(tokenizer, t) for t in held[: args.eval_prompts]]
+        report = measure_acceptance(
+            target, proposer, ids, args.max_new_tokens, sorted(tokenizer.eos_token_ids), None, True
+        )
+        print(
+            f"acceptance length {report.mean_acceptance_length:.3f} over "
+            f"{report.verification_steps} verification steps ({report.generated_tokens} tokens, "
+            f"{len(ids)} prompts, K={proposer.num_drafts})"
+        )
+        return 0
+    if args.output is None:
+        raise ConfigError("train-drafter needs --output (or --measure DRAFTER to only measure)")
     ids = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
     options = TrainOptions(
         num_layers=args.layers,
@@ -342,7 +362,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     name = DEFAULT_MODEL_NAME if args.model is None else str(args.model)
     report = train_drafter(
-        target, tokenizer, args.output, options, target_name=name, prompts=prompts
+        target,
+        tokenizer,
+        args.output,
+        options,
+        target_name=name,
+        prompts=prompts,
+        corpus_path=args.corpus,
     )
     acc = report.acceptance
     print(
@@ -411,7 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
         "train-drafter", help="distill a DFlash drafter from text the target generates itself"
     )
     td.add_argument("--model", default=None, help="target: HF folder or .gguf (default model)")
-    td.add_argument("--output", required=True, help="folder to write the drafter to")
+    td.add_argument("--output", default=None, help="folder to write the drafter to")
+    td.add_argument(
+        "--measure",
+        default=None,
+        metavar="DRAFTER",
+        help="only measure this drafter's acceptance length on held-out prompts",
+    )
+    td.add_argument("--quantization", choices=["fp8_per_block"], default=None, help="--measure")
     td.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     td.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     td.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
@@ -419,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--target-layers", default=None, help="e.g. 1,14,27 (default: 3 spread)")
     td.add_argument("--mask-token-id", type=int, default=None)
     td.add_argument("--prompts", default=None, help="a text file, one prompt a line")
+    td.add_argument(
+        "--corpus",
+        default=None,
+        help="JSON of generated sequences: reused if it exists, else written",
+    )
     td.add_argument("--num-prompts", type=int, default=256)
     td.add_argument("--max-new-tokens", type=int, default=128)
     td.add_argument("--gen-batch-size", type=int, default=32, help="sequences generated at once")

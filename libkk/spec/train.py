@@ -19,6 +19,7 @@ target model; the CLI loads it and its tokenizer.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -708,8 +709,13 @@ def train_drafter(
     prompts: Sequence[str] | None = None,
     eval_prompts: Sequence[str] | None = None,
     progress: bool = True,
+    corpus_path: str | Path | None = None,
 ) -> TrainReport:
-    """Self-distills a DFlash drafter for `target` and writes it to `output_dir`."""
+    """Self-distills a DFlash drafter for `target` and writes it to `output_dir`.
+
+    corpus_path: a JSON file of the generated sequences: read if it exists (no generation),
+    else written after generating.
+    """
     begin = time.monotonic()
     torch.manual_seed(options.seed)
     stop_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -719,18 +725,33 @@ def train_drafter(
     config = drafter_config_for(target, options, target_name)
     device = next(target.parameters()).device
 
+    corpus = Path(corpus_path) if corpus_path is not None else None
     with TargetRunner(target, config.target_layer_ids) as runner:
-        continuations = generate(
-            runner,
-            prompt_ids,
-            options.max_new_tokens,
-            stop_ids,
-            options.temperature,
-            options.seed,
-            options.gen_batch_size,
-            progress,
-        )
+        if corpus is not None and corpus.is_file():  # generated earlier: reuse it
+            saved = json.loads(corpus.read_text(encoding="utf-8"))
+            prompt_ids = [
+                s[:n] for s, n in zip(saved["sequences"], saved["prompt_lens"], strict=True)
+            ]
+            continuations = [
+                s[n:] for s, n in zip(saved["sequences"], saved["prompt_lens"], strict=True)
+            ]
+        else:
+            continuations = generate(
+                runner,
+                prompt_ids,
+                options.max_new_tokens,
+                stop_ids,
+                options.temperature,
+                options.seed,
+                options.gen_batch_size,
+                progress,
+            )
         sequences = [p + c for p, c in zip(prompt_ids, continuations, strict=True)]
+        if corpus is not None and not corpus.is_file():
+            corpus.write_text(
+                json.dumps({"sequences": sequences, "prompt_lens": [len(p) for p in prompt_ids]}),
+                encoding="utf-8",
+            )
         hidden = target_hidden_states(runner, sequences)
     samples = [
         Sample(seq, len(p), h) for seq, p, h in zip(sequences, prompt_ids, hidden, strict=True)
