@@ -422,7 +422,11 @@ def vocab_parallel_rejection_sample(
     raw draft logits, or None for one-hot drafts (then draft_logprobs and draft_lse are None
     too); starts: the shards' first token ids. draft_logprobs / draft_lse: [R, K] from drafting
     (DraftSample.logprobs / .lse per slot). The rest as in rejection_sample: positions is the
-    position of the first draft; padded slots (k >= num_draft) may hold any id.
+    position of the first draft; padded slots (k >= num_draft) may hold any id; verified drafts
+    must lie in [0, V). Callers that process logits first (penalties, then temperature) pass the
+    processed logits with temperature 1 for random rows, as libkk.runtime.verify does. A batch
+    that mixes one-hot rows into probabilistic ones gives those rows draft logits of 0 at the
+    draft token and -inf elsewhere (log q(d) = 0, lse = 0).
     """
     _check_shards(target_shards, starts, "vocab_parallel_rejection_sample")
     one_hot = draft_shards is None

@@ -181,6 +181,37 @@ def test_rejection_sampling_matches_full_vocab(sizes: list[int], one_hot: bool) 
     assert residuals > 50
 
 
+def test_one_hot_rows_mixed_into_probabilistic_ones() -> None:
+    sizes = [10, 9, 18]
+    for seed in range(4):
+        c = _case(300 + seed)
+        num_rows, k, _ = c["draft_logits"].shape
+        drafts = _draft_all(c, None)
+        vp = _draft_all(c, sizes)
+        one_hot = torch.arange(num_rows) % 3 == 0  # every third row drafted greedily elsewhere
+        # Those rows: one-hot q at the given draft, as log q = 0 at it and -inf elsewhere.
+        hot = torch.full_like(c["draft_logits"], -math.inf).scatter(-1, drafts[..., None], 0.0)
+        draft_logits = torch.where(one_hot[:, None, None], hot, c["draft_logits"])
+        logprobs = torch.where(one_hot[:, None], 0.0, vp.logprobs.view(num_rows, k))
+        lse = torch.where(one_hot[:, None], 0.0, vp.lse.view(num_rows, k))
+        temp = torch.where(c["temps"] == 0, 1.0, c["temps"])[:, None, None]
+        probs = torch.softmax(c["draft_logits"] / temp, dim=-1)
+        probs = torch.where(one_hot[:, None, None], hot.exp(), probs)
+        args = (c["temps"], c["seeds"], c["positions"], c["num_draft"])
+        ref_out, ref_acc = rejection_sample(c["target"], drafts, probs, *args)
+        out, acc = vocab_parallel_rejection_sample(
+            _split(c["target"], sizes),
+            _split(draft_logits, sizes),
+            vocab_starts(sizes),
+            drafts,
+            logprobs,
+            lse,
+            *args,
+        )
+        assert torch.equal(acc, ref_acc)
+        assert torch.equal(out, ref_out)
+
+
 def test_draft_gather_is_small() -> None:
     c = _case(7)
     num_rows, k, _ = c["draft_logits"].shape
