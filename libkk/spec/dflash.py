@@ -486,8 +486,9 @@ def find_embedding(target: nn.Module) -> torch.Tensor:
 
 @dataclass
 class _RequestState:
-    blocks: list[int] = field(default_factory=list)  # drafter KV blocks, in position order
-    num_context: int = 0  # positions 0..num_context-1 hold context K/V
+    blocks: list[int] = field(default_factory=list)  # drafter KV blocks, in slot order
+    base: int = 0  # the position whose K/V sit in slot 0
+    num_context: int = 0  # slots 0..num_context-1 hold positions base..base+num_context-1
 
 
 class DFlashProposer(Proposer):
@@ -621,37 +622,37 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def add_context(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
-        state = self._requests.setdefault(request_id, _RequestState())
-        if start_position > state.num_context:
-            raise ValueError(
-                f"request {request_id!r}: context from position {start_position} but the drafter "
-                f"holds positions 0..{state.num_context - 1} (context must arrive in order)"
-            )
         expected = len(self.target_layer_ids) * self.config.hidden_size
         if hidden.dim() != 2 or hidden.shape[1] != expected:
             raise ValueError(
                 f"request {request_id!r}: context hidden states must be [N, {expected}], "
                 f"got {tuple(hidden.shape)}"
             )
+        state = self._requests.setdefault(request_id, _RequestState())
+        held_end = state.base + state.num_context
+        if start_position > held_end or start_position < state.base:
+            # A gap (the target skipped positions, e.g. a prefix-cache hit) or context from
+            # before what is held: start over from here; earlier positions are simply unseen.
+            state.base, state.num_context = start_position, 0
         num = hidden.shape[0]
         if num == 0:
             return
-        end = start_position + num
-        self._reserve(state, end)
-        positions = torch.arange(start_position, end, device=self.device)
+        offset = start_position - state.base  # rows from here on are replaced (rollback)
+        self._reserve(state, offset + num)
+        positions = torch.arange(start_position, start_position + num, device=self.device)
         feats = self.drafter.features(hidden.to(self.device, self.dtype))  # [N, H]
-        slots = self._slots(state, start_position, num)
+        slots = self._slots(state, offset, num)
+        cfg = self.config
         for cache, (k, v) in zip(
             self._caches, self.drafter.context_kv(feats, positions), strict=True
         ):
-            cfg = self.config
             store_kv(
                 k.view(num, cfg.num_kv_heads, cfg.head_dim),
                 v.view(num, cfg.num_kv_heads, cfg.head_dim),
                 cache,
                 slots,
             )
-        state.num_context = end
+        state.num_context = offset + num
 
     def remove(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -677,7 +678,9 @@ class DFlashProposer(Proposer):
             state = self._requests.setdefault(r.request_id, _RequestState())
             # Context past the anchor (a rollback) is stale; a context shorter than the anchor
             # (missing hidden states) still drafts, from what it has.
-            state.num_context = min(state.num_context, anchor)
+            if anchor < state.base:
+                state.base, state.num_context = anchor, 0
+            state.num_context = min(state.num_context, anchor - state.base)
             self._reserve(state, state.num_context + rows)
             active.append((i, r, anchor, n, state))
         if not active:
