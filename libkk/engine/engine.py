@@ -123,6 +123,12 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         if self.executor is not None:  # every rank allocates the same blocks
             self.executor.plan_kv_cache(self.num_blocks, self.max_model_len)
+        # The proposer first: its target layers are stashed by the forward the runner captures.
+        self.proposer = self._make_proposer()
+        spec = config.speculative
+        aux_layers = tuple(self.proposer.target_layer_ids) if self.proposer else ()
+        if aux_layers:
+            self.model.set_aux_hidden_layers(aux_layers)
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -134,10 +140,21 @@ class Engine:
             # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable.
             capturable=not self.arch.is_moe,
             progress=config.progress,
+            # Verification batches where every request has K drafts replay graphs too.
+            query_lens=(1, 1 + spec.num_speculative_tokens) if self.proposer else (1,),
+            stash_aux_hidden=bool(aux_layers),
         )
+        if self.proposer is not None:
+            self.runner.set_speculation(
+                aux_hidden_layers=aux_layers,
+                synthetic_rates=(
+                    spec.synthetic_acceptance_rates
+                    if spec.rejection_sample_method == "synthetic"
+                    else None
+                ),
+            )
         if self.executor is not None:  # steps go to every rank from here on
             self.runner = self.executor.wrap(self.runner)
-        self.proposer = self._make_proposer()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
@@ -182,14 +199,6 @@ class Engine:
         )
         # NOTE: adaptive_verification (libkk/spec/adaptive.py) is not wired in yet: every
         # proposed draft is verified.
-        self.runner.set_speculation(
-            aux_hidden_layers=tuple(proposer.target_layer_ids),
-            synthetic_rates=(
-                spec.synthetic_acceptance_rates
-                if spec.rejection_sample_method == "synthetic"
-                else None
-            ),
-        )
         return proposer
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -40,8 +41,14 @@ class ModelRunner:
         max_model_len: int = 1,
         capturable: bool = True,
         progress: bool = False,
+        query_lens: Sequence[int] = (1,),
+        stash_aux_hidden: bool = False,
     ) -> None:
+        """query_lens: tokens per request of the uniform batches to capture (1, and 1 + K to
+        verify K drafts); stash_aux_hidden: graphs keep the model's aux hidden states."""
         self.model = model
+        self.query_lens = tuple(query_lens)
+        self.stash_aux_hidden = stash_aux_hidden
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
@@ -83,6 +90,8 @@ class ModelRunner:
             max_blocks_per_seq=max_blocks_per_seq,
             block_size=self.block_size,
             device=self.device,
+            query_lens=self.query_lens,
+            stash=(lambda: self.model.aux_hidden_states) if self.stash_aux_hidden else None,
         )
         start = time.perf_counter()
         if not compilation.torch_compile:
@@ -99,6 +108,8 @@ class ModelRunner:
             "block_size": self.block_size,
             "capture_sizes": sizes,
             "max_blocks_per_seq": max_blocks_per_seq,
+            "query_lens": list(self.query_lens),
+            "stash_aux_hidden": self.stash_aux_hidden,
             # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
             "tensor_parallel": [get_tp_rank(), get_tp_size()],
         }
@@ -127,16 +138,19 @@ class ModelRunner:
             for embedding in self.host_embeddings:
                 embedding.stage(ids)
         aux_layers = self.aux_hidden_layers
-        # NOTE: captured graphs do not stash aux hidden states: steps that need them run eagerly.
+        aux: torch.Tensor | None = None  # [num_tokens, len(aux_layers) * hidden]
         if (
             self.graphs is not None
-            and not aux_layers
+            # Graphs keep aux hidden states only when captured with the stash.
+            and (not aux_layers or self.graphs.stash is not None)
             and self.graphs.can_run(batch.attn_metadata, num_tokens)
         ):
-            hidden, _ = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
+            if aux_layers:
+                aux = self.model.aux_hidden_states
         out = ModelRunnerOutput()
         if batch.sampling_rows:
             if any(batch.num_spec):
@@ -149,8 +163,8 @@ class ModelRunner:
                 ):
                     out.sampled_token_ids[rid] = [token]
                     out.logprobs[rid] = [lp]
-        if aux_layers:
-            self._collect_aux_hidden(sched_out, batch, out)
+        if aux is not None:
+            self._collect_aux_hidden(sched_out, batch, aux, out)
         return out
 
     def _sample_with_drafts(
@@ -186,12 +200,13 @@ class ModelRunner:
             out.logprobs[r.request_id] = lps
 
     def _collect_aux_hidden(
-        self, sched_out: SchedulerOutput, batch: InputBatch, out: ModelRunnerOutput
+        self,
+        sched_out: SchedulerOutput,
+        batch: InputBatch,
+        aux: torch.Tensor,  # [num_tokens, len(ids) * hidden]
+        out: ModelRunnerOutput,
     ) -> None:
         """Hidden states of the rows whose KV is final after this step, per request."""
-        aux = self.model.aux_hidden_states  # [num_tokens, len(ids) * hidden]
-        if aux is None:
-            return
         starts = batch.attn_metadata.query_start_loc_cpu
         for i, r in enumerate(sched_out.requests):
             num_final = r.num_new_tokens - r.num_spec_tokens

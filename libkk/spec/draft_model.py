@@ -22,7 +22,7 @@ from torch import nn
 from libkk.errors import ConfigError
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 from libkk.models.loader import load_model
-from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
+from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax, gumbel_argmax_at
 from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
 from libkk.spec.logits import position_rows, process_logits
 
@@ -254,15 +254,19 @@ class DraftModelProposer(Proposer):
         processed = process_logits(logits, rows)  # [A, vocab]
         tokens = processed.argmax(dim=-1)  # [A]
         sampled = [j for j, i in enumerate(active) if self._samples(requests[i])]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            seeds = torch.tensor([rows[j].seed for j in sampled], dtype=torch.int64)
-            positions = torch.tensor(
-                [rows[j].position + DRAFT_POSITION_SALT for j in sampled], dtype=torch.int64
+        dev = logits.device
+        for j in sampled:
+            seed = torch.tensor([rows[j].seed], dtype=torch.int64, device=dev)
+            pos = torch.tensor(
+                [rows[j].position + DRAFT_POSITION_SALT], dtype=torch.int64, device=dev
             )
-            tokens[idx] = gumbel_argmax(
-                processed[idx], seeds.to(logits.device), positions.to(logits.device)
-            )
+            row = processed[j]  # [V]
+            kept = torch.isfinite(row).nonzero()[:, 0]  # [C]
+            if kept.numel() < row.numel() // 4:
+                # Filters left few tokens: hash those only (the same draw as the full row).
+                tokens[j] = gumbel_argmax_at(row[kept][None], kept[None], seed, pos)[0]
+            else:
+                tokens[j] = gumbel_argmax(row[None], seed, pos)[0]
         for j, (i, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
             drafts[i].append(token)
             raw[i].append(logits[j])
