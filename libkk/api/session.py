@@ -100,9 +100,13 @@ class Session:
                 return  # already finished; its final output is queued
             self._queues[request_id].append(output)
 
-    def stats(self) -> dict[str, int]:
-        """Engine counters: steps, preemptions, prefix-cache queries/hits (tokens) and, with
-        kv_offload_bytes, the host tier's stored/restored blocks and bytes moved."""
+    def stats(self) -> dict[str, int | float]:
+        """Engine counters: steps, preemptions, prefix-cache queries/hits (tokens); with
+        kv_offload_bytes, the host tier's stored/restored blocks and bytes moved; with
+        speculative decoding, drafts verified and accepted (`spec_num_draft_tokens`,
+        `spec_num_accepted_tokens`), request-steps that verified drafts
+        (`spec_num_verify_steps`) and the tokens each emitted on average
+        (`spec_mean_acceptance_length`)."""
         with self._lock:
             return self.engine.stats()
 
