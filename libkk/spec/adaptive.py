@@ -50,7 +50,13 @@ from torch import Tensor
 
 from libkk.errors import ConfigError
 from libkk.sample.gumbel import keyed_uniform_at
-from libkk.spec.estimator import AcceptanceEstimator, SpeculationInputError, _int_rows
+from libkk.spec.estimator import (
+    ONE_HOT_FEATURE,
+    AcceptanceEstimator,
+    SpeculationInputError,
+    _int_rows,
+    draft_feature,
+)
 
 # Positions salt of the synthetic acceptance uniforms: apart from the target (0), draft (2**30)
 # and acceptance (2**31) streams; positions + salt stay below 2**32 for positions < 2**30.
@@ -238,6 +244,31 @@ def optimal_num_draft(
     return torch.bincount(chosen_rows, minlength=num_rows).long()
 
 
+def proposal_features(
+    draft_logits: Sequence[Tensor | None], temperatures: Sequence[float], num_positions: int
+) -> Tensor:
+    """Features [R, K] (CPU fp32) for a `DraftProposal`'s per-request draft logits.
+
+    draft_logits[r]: [n_r, V] raw logits of request r's drafts, or None for one-hot drafts;
+    temperatures[r]: its sampling temperature (0 = greedy). Slots without logits, and slots
+    beyond n_r, get ONE_HOT_FEATURE.
+    """
+    if len(draft_logits) != len(temperatures):
+        raise SpeculationInputError(
+            f"got {len(draft_logits)} draft logits for {len(temperatures)} temperatures"
+        )
+    out = torch.full((len(draft_logits), num_positions), ONE_HOT_FEATURE)
+    for r, (logits, temp) in enumerate(zip(draft_logits, temperatures, strict=True)):
+        if logits is None or logits.shape[0] == 0:
+            continue
+        if logits.dim() != 2 or logits.shape[0] > num_positions:
+            raise SpeculationInputError(
+                f"draft_logits[{r}] must be [n <= {num_positions}, V], got {tuple(logits.shape)}"
+            )
+        out[r, : logits.shape[0]] = draft_feature(logits, float(temp)).cpu()
+    return out
+
+
 def context_features(features: Tensor) -> Tensor:
     """Slot 0's feature at every slot.  # [R, K]
 
@@ -253,7 +284,7 @@ class AdaptiveVerifier:
     """Per step: choose how many drafts each request verifies, then learn from the outcome.
 
     Engine use, once per step with speculation:
-        features = draft_feature(draft_logits, temperatures)   # [R, K] (or ONE_HOT_FEATURE)
+        features = proposal_features(proposal.draft_logits, temperatures, K)   # [R, K]
         # autoregressive probabilistic drafters: features = context_features(features)
         num_draft = verifier.choose(features, num_proposed)     # [R]
         ... verify the first num_draft[r] drafts of each request ...

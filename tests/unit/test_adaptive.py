@@ -14,10 +14,16 @@ from libkk.spec.adaptive import (
     context_features,
     objective,
     optimal_num_draft,
+    proposal_features,
     rate_for_acceptance_length,
     synthetic_accept,
 )
-from libkk.spec.estimator import AcceptanceEstimator, SpeculationInputError
+from libkk.spec.estimator import (
+    ONE_HOT_FEATURE,
+    AcceptanceEstimator,
+    SpeculationInputError,
+    draft_feature,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Cost model
@@ -180,6 +186,21 @@ def test_context_features_make_the_choice_independent_of_later_slots() -> None:
         for _ in range(20)
     }
     assert len(raw) > 1
+
+
+def test_proposal_features() -> None:
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 11, generator=g)
+    b = torch.randn(1, 11, generator=g)
+    f = proposal_features([a, None, b, torch.zeros(0, 11)], [0.7, 1.0, 0.0, 1.0], 4)
+    assert f.shape == (4, 4)
+    torch.testing.assert_close(f[0, :3], draft_feature(a, 0.7))
+    assert f[0, 3] == ONE_HOT_FEATURE
+    assert bool((f[1:] == ONE_HOT_FEATURE).all())  # one-hot, greedy and empty rows
+    with pytest.raises(SpeculationInputError, match="draft_logits\\[0\\] must be"):
+        proposal_features([torch.zeros(5, 11)], [1.0], 4)
+    with pytest.raises(SpeculationInputError, match="temperatures"):
+        proposal_features([None], [1.0, 1.0], 4)
 
 
 def test_verifier_rejects_bad_num_proposed() -> None:
