@@ -174,7 +174,12 @@ class QuantFusedMoE(nn.Module):
             param.data[expert, part if is_w13 else 0] = loaded.reshape(()).float()
             return
         if name.endswith("_csf"):
-            loaded = decode_csf(CSFTensor.from_bytes(loaded.cpu().numpy().tobytes()))[0]
+            blob = CSFTensor.from_bytes(loaded.cpu().numpy().tobytes())
+            if blob.kind != self.weight_format:
+                raise CorruptCheckpointError(
+                    f"{name!r}: CSF scales of kind {blob.kind!r} in {self.weight_format} experts"
+                )
+            loaded = decode_csf(blob)[0]
         elif loaded.dtype == torch.float8_e4m3fn:
             loaded = loaded.view(torch.uint8)
         if loaded.dtype != torch.uint8:

@@ -109,6 +109,10 @@ def test_packed_layer_rejects_bad_parts():
     with pytest.raises(CorruptCheckpointError, match="uint8"):
         p = packed.w2_weight
         p.weight_loader(p, torch.zeros(64, 16), "x.weight", (0, 0))
+    blob = quantize_tensor("x.weight", torch.randn(64, 64), "mxfp4-csf")["x.weight_scale_csf"]
+    with pytest.raises(CorruptCheckpointError, match="kind 'mxfp4'"):
+        p = packed.w2_weight_scale
+        p.weight_loader(p, blob, "x.weight_scale_csf", (0, 0))
     with pytest.raises(UnsupportedModelError, match="stacked"):
         packed.w2_weight.weight_loader(packed.w2_weight, torch.zeros(1), "x", None)
     with pytest.raises(UnsupportedModelError, match="multiple of 32"):
