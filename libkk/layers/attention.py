@@ -8,6 +8,8 @@ backend is chosen once per process; the torch reference runs anywhere and is the
 from __future__ import annotations
 
 import abc
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -176,17 +178,22 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.layer_key = _register_layer(self)
 
-    # NOTE: attention is where torch.compile splits the model: it reads the step's metadata from
-    # the forward context and runs opaque kernels; everything between two attention calls is
-    # compiled (and fused) as one piece.
-    @torch.compiler.disable
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        # NOTE: under torch.compile attention is one opaque op (`libkk::attention`): the model
+        # traces as a single graph, Inductor fuses everything between attention calls, and the
+        # op reads the step's metadata from the forward context at run time.
+        if torch.compiler.is_compiling():
+            return torch.ops.libkk.attention(q, k, v, self.layer_key)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
         metadata = get_forward_context().attn_metadata
@@ -200,3 +207,34 @@ class Attention(nn.Module):
             self.scale,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+# Every Attention layer of the process by key, so the compiled graph names a layer by an int. Keys
+# follow construction order, so the model a process builds first gets the same keys (and compiled
+# graphs that hit the on-disk caches) in every process.
+_LAYERS: dict[int, weakref.ref[Attention]] = {}
+_next_key = itertools.count()
+
+
+def _register_layer(layer: Attention) -> int:
+    key = next(_next_key)
+    _LAYERS[key] = weakref.ref(layer, lambda _: _LAYERS.pop(key, None))
+    return key
+
+
+# NOTE: mutates_args is empty although the op writes the layer's KV cache: the cache is not an
+# argument (functionalizing it would copy the whole cache), and the op's output feeds the next
+# layer, so the compiled graph keeps every layer's call in order.
+@torch.library.custom_op("libkk::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int
+) -> torch.Tensor:
+    layer = _LAYERS[layer_key]()
+    if layer is None:
+        raise RuntimeError(f"attention layer {layer_key} no longer exists")
+    return layer.attend(q, k, v)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int) -> torch.Tensor:
+    return torch.empty_like(q)
