@@ -245,6 +245,91 @@ def _align_kernel(
         cursor += tl.sum(hit, axis=0)
 
 
+# Above this many pairs the alignment runs as three grid-wide kernels (count per chunk, prefix
+# over chunks, scatter) instead of one program walking every pair: at 4096 tokens x top-8 one
+# program would take about as long as the expert GEMMs.
+ALIGN_SINGLE_MAX_PAIRS = 1024
+ALIGN_CHUNK = 128  # pairs per program of the grid-wide path
+ALIGN_CHUNK_GROUP = 32  # chunks per step of the prefix kernel's loops
+
+
+@jit
+def _align_count_kernel(
+    ids_ptr,
+    counts_ptr,  # [num_chunks, E_PAD] int32 out
+    num_pairs,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    p = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    tl.store(counts_ptr + pid * E_PAD + e, tl.sum(hit, axis=0))
+
+
+@jit
+def _align_prefix_kernel(
+    counts_ptr,  # [num_chunks, E_PAD] int32
+    base_ptr,  # [num_chunks, E_PAD] int32 out: first slot of each (chunk, expert)'s pairs
+    expert_ids_ptr,
+    npad_ptr,
+    num_chunks,
+    num_blocks,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    e = tl.arange(0, E_PAD)
+    g = tl.arange(0, GROUP)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, CHUNKS_PAD, GROUP):
+        c = c0 + g
+        cnt = tl.load(counts_ptr + c[:, None] * E_PAD + e[None, :], mask=(c < num_chunks)[:, None],
+                      other=0)  # fmt: skip
+        counts += tl.sum(cnt, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    carry = ends - padded  # [E_PAD] the expert's first slot
+    total = tl.sum(padded, axis=0)
+    tl.store(npad_ptr, total)
+    for c0 in range(0, CHUNKS_PAD, GROUP):
+        c = c0 + g
+        cmask = (c < num_chunks)[:, None]
+        cnt = tl.load(counts_ptr + c[:, None] * E_PAD + e[None, :], mask=cmask, other=0)
+        before = tl.cumsum(cnt, axis=0) - cnt  # earlier chunks of this group
+        tl.store(base_ptr + c[:, None] * E_PAD + e[None, :], carry[None, :] + before, mask=cmask)
+        carry += tl.sum(cnt, axis=0)
+    for b0 in range(0, BLOCKS_PAD, GROUP):
+        b = b0 + g
+        row0 = b * BLOCK_M
+        before_b = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.where(row0 < total, before_b, -1), mask=b < num_blocks)
+
+
+@jit
+def _align_scatter_kernel(
+    ids_ptr,
+    base_ptr,  # [num_chunks, E_PAD] int32
+    sorted_ptr,
+    num_pairs,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    p = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    rank = tl.cumsum(hit, axis=0) - hit
+    base = tl.load(base_ptr + pid * E_PAD + e)
+    pos = tl.sum(hit * (base[None, :] + rank), axis=1)
+    tl.store(sorted_ptr + pos, p, mask=p < num_pairs)
+
+
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise _err(
@@ -282,6 +367,32 @@ def moe_align_block_size(
         return sorted_ids, expert_ids, num_post_pad
     ids = topk_ids.contiguous().view(-1)
     e_pad = next_pow2(num_experts)
+    if num_pairs > ALIGN_SINGLE_MAX_PAIRS:
+        num_chunks = -(-num_pairs // ALIGN_CHUNK)
+        counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
+        base = torch.empty_like(counts)
+        _align_count_kernel[(num_chunks,)](
+            ids, counts, num_pairs, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4
+        )
+        group = ALIGN_CHUNK_GROUP
+        _align_prefix_kernel[(1,)](
+            counts,
+            base,
+            expert_ids,
+            num_post_pad,
+            num_chunks,
+            num_blocks,
+            E_PAD=e_pad,
+            BLOCK_M=block_m,
+            CHUNKS_PAD=max(next_pow2(num_chunks), group),
+            BLOCKS_PAD=max(next_pow2(num_blocks), group),
+            GROUP=group,
+            num_warps=4,
+        )
+        _align_scatter_kernel[(num_chunks,)](
+            ids, base, sorted_ids, num_pairs, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4
+        )
+        return sorted_ids, expert_ids, num_post_pad
     chunk = max(16, min(64, 8192 // e_pad))
     _align_kernel[(1,)](
         ids,

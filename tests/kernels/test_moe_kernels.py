@@ -102,9 +102,13 @@ def test_routing_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("shape", [(1, 8, 2), (5, 4, 4), (40, 16, 4), (300, 128, 8)])
+# (200, 8, 6) and (300, 128, 8) take the grid-wide path (more than ALIGN_SINGLE_MAX_PAIRS pairs)
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 2), (5, 4, 4), (40, 16, 4), (200, 8, 6), (300, 128, 8), (700, 60, 2)]
+)
 def test_align(shape, block_m):
     t, e, k = shape
+    assert (t * k > M.ALIGN_SINGLE_MAX_PAIRS) == (t in (200, 300, 700))
     g = torch.Generator().manual_seed(t * 7 + e)
     # Only the first max(k, e // 2) experts are picked, so some experts get no pair at all.
     used = max(k, e // 2)
