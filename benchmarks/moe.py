@@ -1,10 +1,10 @@
 """One MoE layer of the Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, moe_intermediate 768)
 with packed NVFP4 / MXFP4 experts (fused W4A16 kernels) vs the bf16 plain-torch path.
 
-For 1, 4, 16, 64, 256 and 4096 tokens: time per layer (CUDA-graph replay of the fused path, so
-launch overhead is not counted twice; eager for the plain path, which reads counts on the host),
-achieved GB/s (bytes of the experts the tokens touch + activations) and TFLOP/s, each against its
-floor measured in the same run: bytes / device copy bandwidth, FLOPs / bf16 matmul rate. Weights
+For 1, 4, 16, 64, 256 and 4096 tokens: time per layer of the experts (align + both GEMMs + top-k
+sum; routing timed apart) as CUDA-graph replays of the fused path, eager for the plain path, which
+reads counts on the host; achieved GB/s (bytes of the experts the tokens touch + activations) and
+TFLOP/s, each against its floor measured in the same run: bytes / device copy bandwidth, FLOPs / bf16 matmul rate. Weights
 come from quantizing Gaussian weights, so scales (and their CSF compression) are realistic; four
 copies of the layer rotate so the touched experts are not served from L2. Also: CSF expansion
 time of one layer's scales vs the layer time.
@@ -134,10 +134,19 @@ def bench_fused(fmt: str, layers: list[dict], t: int, floors: dict) -> dict:
     with torch.cuda.graph(graph):
         run_all()
     per_layer = time_cuda(graph.replay, iters=20 if t <= 256 else 5) / COPIES
+    # the routing and alignment parts alone (eager, so launch overhead included)
+    from libkk.kernels.moe import default_tile_config, moe_align_block_size, moe_topk_routing
+
+    logits = torch.randn(t, E, device=DEV, dtype=torch.bfloat16)
+    block_m = default_tile_config(t).block_m
+    routing_s = time_cuda(lambda: moe_topk_routing(logits, TOP_K, True), iters=20)
+    align_s = time_cuda(lambda: moe_align_block_size(inputs[0][2], E, block_m), iters=20)
     floor_bytes = nbytes / floors["copy_bw"]
     floor_flops = flops / floors["matmul_flops"]
     return {
         "time_us": per_layer * 1e6,
+        "routing_us": routing_s * 1e6,
+        "align_us": align_s * 1e6,
         "eager_time_us": eager * 1e6,
         "experts_touched": touched,
         "bytes": nbytes,
@@ -248,7 +257,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     print(f"\n{'format':7} {'tokens':>6} {'us':>9} {'floor us':>9} {'GB/s':>7} {'TFLOP/s':>8} "
-          f"{'bw%':>5} {'flop%':>6} {'bf16 us':>9} {'vs bf16':>7} {'csf us':>7}")  # fmt: skip
+          f"{'bw%':>5} {'flop%':>6} {'bf16 us':>9} {'vs bf16':>7} {'csf us':>7} {'align':>6} "
+          f"{'route':>6}")  # fmt: skip
     for fmt in opts.formats.split(","):
         csf_us = results.get(fmt, {}).get("csf", {}).get("expand_us", float("nan"))
         for t in tokens:
@@ -259,7 +269,7 @@ def main() -> None:
             print(f"{fmt:7} {t:6d} {r['time_us']:9.1f} {r['floor_us']:9.1f} {r['GB_s']:7.0f} "
                   f"{r['TFLOP_s']:8.1f} {100 * r['bandwidth_fraction']:5.0f} "
                   f"{100 * r['compute_fraction']:6.0f} {b:9.1f} {b / r['time_us']:7.2f} "
-                  f"{csf_us:7.1f}")  # fmt: skip
+                  f"{csf_us:7.1f} {r['align_us']:6.1f} {r['routing_us']:6.1f}")  # fmt: skip
     for fmt in opts.formats.split(","):
         c = results.get(fmt, {}).get("csf")
         if c:
