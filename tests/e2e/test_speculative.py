@@ -1,0 +1,403 @@
+"""Speculative decoding never changes what the target produces: greedy output with any proposer
+equals greedy output without, token for token, however requests are batched, chunked, preempted or
+stopped; seeded sampling with speculation is batch-invariant; bad settings fail clearly."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from libkk import SamplingParams, Session
+from libkk.errors import ConfigError
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because it wanted to see the other side",
+    "Hello",
+    "In 1969, astronauts landed on the Moon. The mission was called",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z " * 3,
+    "Paris is the capital of",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time",
+]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+# How each mix runs: one request at a time, all at once, chunked prefill, preemption in a small
+# pool. (Plain decoding is batch-invariant: tests/e2e/test_equivalence.py.)
+MIXES = {
+    "alone": dict(max_num_seqs=1),
+    "batch8": dict(),
+    "chunked": dict(max_num_batched_tokens=7),
+    "preempt": dict(block_size=4, num_gpu_blocks=33, max_model_len=128),
+}
+
+
+def _save(model, path, default_model_dir):
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(tmp_path_factory, default_model_dir):
+    """A smaller random Llama (1 layer, hidden 32) with the target's vocabulary."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(
+        _llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    )
+    return _save(model, tmp_path_factory.mktemp("draft-small"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(tmp_path_factory, tiny_llama_dir, default_model_dir):
+    """The target with noise added to every weight: drafts it proposes are often, not always,
+    what the target would say (both acceptance and rejection paths run)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
+    return _save(model, tmp_path_factory.mktemp("draft-near"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def cyclic_llama_dir(tmp_path_factory, default_model_dir):
+    """A target whose greedy output cycles through groups of six ids (the LM head maps each
+    token's embedding to the next id of its group; attention and MLP outputs are scaled down so
+    they only nudge it): n-gram lookup drafts long accepted runs on it."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config(tie_word_embeddings=False))
+    ids = torch.arange(49152)
+    prev = (ids // 6) * 6 + (ids - 1) % 6
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[prev])
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.002)
+    return _save(model, tmp_path_factory.mktemp("cyclic"), default_model_dir)
+
+
+def _run(path, prompts, params, **settings):
+    if settings.get("max_num_seqs") == 1:
+        prompts = prompts[:3]  # one at a time is slow on the CPU: three suffice
+    with Session(str(path), enable_prefix_caching=False, progress=False, **settings) as s:
+        outs = s.generate(prompts, params)
+        stats = s.stats()
+        assert not s.has_unfinished_requests()
+    return outs, stats
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, cyclic_llama_dir):
+    """Greedy tokens without speculation."""
+    ref = {}
+    for name, path in (("tiny", tiny_llama_dir), ("cyclic", cyclic_llama_dir)):
+        outs, _ = _run(path, PROMPTS, GREEDY)
+        ref[name, "greedy"] = [o.token_ids for o in outs]
+    return ref
+
+
+def _expected(reference, target, mix):
+    ref = reference[target, "greedy"]
+    return ref[:3] if MIXES[mix].get("max_num_seqs") == 1 else ref
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("target", ["tiny", "cyclic"])
+def test_ngram_greedy_equals_plain(request, reference, target, mix):
+    if target == "tiny" and mix == "alone":
+        pytest.skip("the random target rarely drafts: batch mixes suffice")
+    path = request.getfixturevalue(f"{target}_llama_dir")
+    outs, stats = _run(
+        path, PROMPTS, GREEDY, method="ngram", num_speculative_tokens=5, **MIXES[mix]
+    )
+    assert [o.token_ids for o in outs] == _expected(reference, target, mix)
+    if target == "cyclic":
+        # The cycle is found and drafted: most steps accept several tokens.
+        assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"] > 0
+        assert stats["spec_mean_acceptance_length"] > 2.5
+    if mix == "preempt":
+        assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("drafter", ["small", "near", "self"])
+def test_draft_model_greedy_equals_plain(
+    request, tiny_llama_dir, reference, small_draft_dir, near_draft_dir, drafter, mix
+):
+    # Each drafter on two mixes keeps the CPU suite short; together they cover all four.
+    if mix not in {"small": ("batch8", "chunked"), "near": ("preempt", "alone"),
+                   "self": ("batch8", "preempt")}[drafter]:  # fmt: skip
+        pytest.skip("this mix runs with another drafter")
+    draft = {"small": small_draft_dir, "near": near_draft_dir, "self": tiny_llama_dir}[drafter]
+    outs, stats = _run(
+        tiny_llama_dir,
+        PROMPTS,
+        GREEDY,
+        method="draft_model",
+        draft_model=str(draft),
+        num_speculative_tokens=4,
+        **MIXES[mix],
+    )
+    assert [o.token_ids for o in outs] == _expected(reference, "tiny", mix)
+    assert stats["spec_num_draft_tokens"] > 0
+    if drafter == "self":
+        # The target drafting for itself: every greedy draft is the target's own argmax.
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+        assert stats["spec_mean_acceptance_length"] > 4.0
+    if mix == "preempt":
+        assert stats["num_preemptions"] > 0
+
+
+def test_penalties_min_tokens_and_logprobs_with_drafts(tiny_llama_dir):
+    """Per-position processing: repetition/frequency/presence penalties see accepted drafts as
+    output, min_tokens bans lift mid-run, logprobs of accepted tokens are the plain ones."""
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=9, stop_token_ids=[0, 1, 2, 3]),
+        SamplingParams(max_tokens=20, temperature=0.7, top_k=20, min_p=0.05, seed=5, logprobs=1),
+    ]
+    prompts = PROMPTS[:4]
+    plain, _ = _run(tiny_llama_dir, prompts, params)
+    spec, stats = _run(
+        tiny_llama_dir, prompts, params, method="draft_model", draft_model=str(tiny_llama_dir)
+    )
+    for a, b in zip(spec[:3], plain[:3], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.finish_reason == b.finish_reason
+    assert stats["spec_num_accepted_tokens"] > 0
+    lp_a, lp_b = spec[0].logprobs, plain[0].logprobs
+    assert lp_a is not None and lp_b is not None and len(lp_a) == len(lp_b) == 20
+    for x, y in zip(lp_a, lp_b, strict=True):
+        assert x.token_id == y.token_id and x.rank == y.rank
+        assert abs(x.logprob - y.logprob) < 1e-4
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    # The seeded row: a logprob per emitted token, each that token's.
+    lps = spec[3].logprobs
+    assert lps is not None and [lp.token_id for lp in lps] == spec[3].token_ids
+
+
+def test_stops_inside_accepted_runs(tiny_llama_dir, reference):
+    """Stop strings, stop tokens and max_tokens landing inside a run of accepted drafts cut the
+    output exactly where plain decoding stops."""
+    from libkk.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(tiny_llama_dir)
+    params = []
+    for i, ids in enumerate(reference["tiny", "greedy"]):
+        cut = 3 + i % 7
+        if i % 3 == 0:
+            # The output's own prefix: plain decoding stops right after token `cut`.
+            stop = [tok.decode(ids[: cut + 1])]
+            params.append(
+                SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20, stop=stop)
+            )
+        elif i % 3 == 1:
+            params.append(
+                SamplingParams(temperature=0.0, ignore_eos=True, stop_token_ids=[ids[cut]])
+            )
+        else:
+            params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=cut))
+    plain, _ = _run(tiny_llama_dir, PROMPTS, params)
+    spec, stats = _run(
+        tiny_llama_dir,
+        PROMPTS,
+        params,
+        method="draft_model",
+        draft_model=str(tiny_llama_dir),
+        num_speculative_tokens=8,
+    )
+    assert stats["spec_num_accepted_tokens"] > 0
+    for a, b in zip(spec, plain, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
+        )
+    assert {o.finish_reason for o in plain} == {"stop", "length"}
+
+
+def test_ngram_stop_strings_on_cyclic_target(cyclic_llama_dir, reference):
+    from libkk.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(cyclic_llama_dir)
+    params = []
+    for i, ids in enumerate(reference["cyclic", "greedy"]):
+        # A prefix longer than one cycle: it ends inside a run of accepted drafts.
+        text = tok.decode(ids[: 9 + i % 6])
+        params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20, stop=[text]))
+    plain, _ = _run(cyclic_llama_dir, PROMPTS, params)
+    spec, stats = _run(cyclic_llama_dir, PROMPTS, params, method="ngram", num_speculative_tokens=6)
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert [(o.token_ids, o.text, o.finish_reason) for o in spec] == [
+        (o.token_ids, o.text, o.finish_reason) for o in plain
+    ]
+    assert sum(o.finish_reason == "stop" for o in plain) >= 4
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_with_speculation_is_batch_invariant(
+    tiny_llama_dir, near_draft_dir, cyclic_llama_dir, method
+):
+    """A seeded request samples the same tokens alone, in a batch, in another order, or beside
+    other requests. (Preemption and a binding token budget change how many drafts a step
+    verifies, and so which exact sample is drawn, though not its distribution.)"""
+    path = cyclic_llama_dir if method == "ngram" else tiny_llama_dir
+    spec = dict(method=method, num_speculative_tokens=4)
+    if method == "draft_model":
+        spec |= dict(draft_model=str(near_draft_dir), draft_sampling="probabilistic")
+    params = SamplingParams(max_tokens=14, temperature=0.8, top_k=50, seed=77, ignore_eos=True)
+    others = SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=5, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    batch, stats = _run(path, prompts, params, **spec)
+    alone, _ = _run(path, prompts, params, max_num_seqs=1, **spec)
+    reverse, _ = _run(path, prompts[::-1], params, **spec)
+    mixed, _ = _run(
+        path, [p for pair in zip(prompts, prompts[::-1], strict=True) for p in pair],
+        [q for _ in prompts for q in (params, others)], **spec,
+    )  # fmt: skip
+    tokens = [o.token_ids for o in batch]
+    assert [o.token_ids for o in alone] == tokens[:3]
+    assert [o.token_ids for o in reverse] == tokens[::-1]
+    assert [o.token_ids for o in mixed[::2]] == tokens
+    assert stats["spec_num_accepted_tokens"] > 0
+    if method == "draft_model":
+        # Some drafts are accepted, some rejected: both paths of the rejection sampler ran.
+        assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+def test_synthetic_rejection_accepts_at_configured_rates(cyclic_llama_dir, reference):
+    # On the cyclic target n-gram drafts are always right, so every rejection is synthetic.
+    outs, stats = _run(
+        cyclic_llama_dir,
+        PROMPTS * 2,
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        method="ngram",
+        num_speculative_tokens=4,
+        rejection_sample_method="synthetic",
+        synthetic_acceptance_rates=[0.5],
+    )
+    # Expected accepted drafts per verification with 4 drafts at rate 0.5: .5+.25+.125+.0625.
+    per_step = stats["spec_num_accepted_tokens"] / stats["spec_num_verify_steps"]
+    assert stats["spec_num_verify_steps"] > 150
+    assert 0.75 < per_step < 1.1
+    assert stats["spec_num_accepted_tokens"] < 0.6 * stats["spec_num_draft_tokens"]
+    assert all(len(o.token_ids) == 40 for o in outs)
+
+
+def test_bad_speculative_settings_raise_config_error(tiny_llama_dir, tmp_path, default_model_dir):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    other_vocab = _save(
+        LlamaForCausalLM(_llama_config(vocab_size=1000, hidden_size=32, num_hidden_layers=1)),
+        tmp_path / "other-vocab",
+        default_model_dir,
+    )
+    with pytest.raises(ConfigError, match="vocab_size 1000"):
+        Session(
+            str(tiny_llama_dir),
+            method="draft_model",
+            draft_model=str(other_vocab),
+            progress=False,
+        )
+    with pytest.raises(ConfigError, match="needs draft_model"):
+        Session(str(tiny_llama_dir), method="draft_model", progress=False)
+    with pytest.raises(ConfigError, match="adaptive_verification"):
+        Session(str(tiny_llama_dir), method="ngram", adaptive_verification=True, progress=False)
+
+
+class _RecordingProposer:
+    """Reads layers 0 and 1; proposes the n-gram drafts; records every add_context call."""
+
+    target_layer_ids = (0, 1)
+
+    def __init__(self):
+        from libkk.spec.ngram import NgramProposer
+
+        self.ngram = NgramProposer(1, 3)
+        self.context: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def add_context(self, request_id, start_position, hidden):
+        self.context.setdefault(request_id, []).append((start_position, hidden.clone()))
+
+    def propose(self, requests):
+        return self.ngram.propose(requests)
+
+    def remove(self, request_id):
+        pass
+
+
+def test_model_proposers_get_hidden_states_of_final_tokens(cyclic_llama_dir, monkeypatch):
+    """add_context receives, in position order and without gaps, the chosen layers' hidden
+    states of exactly the tokens whose KV became final (prefill chunks, anchor + accepted
+    drafts), equal to a plain forward's."""
+    import libkk.spec as registry
+    from libkk.layers.forward_context import set_forward_context
+    from libkk.runtime.input_batch import build_input_batch
+    from libkk.runtime.io import ScheduledRequest, SchedulerOutput
+
+    recorder = _RecordingProposer()
+    monkeypatch.setattr(registry, "_make_ngram", lambda *a, **k: recorder)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    with Session(
+        str(cyclic_llama_dir),
+        method="ngram",
+        num_speculative_tokens=4,
+        max_num_batched_tokens=6,  # chunked prefill
+        enable_prefix_caching=False,
+        progress=False,
+    ) as s:
+        outs = s.generate(PROMPTS[:3], params)
+        stats = s.stats()
+        engine = s.engine
+        assert stats["spec_num_accepted_tokens"] > 0
+        for out in outs:
+            calls = recorder.context[out.request_id]
+            # Contiguous from position 0.
+            pos = 0
+            for start, hidden in calls:
+                assert start == pos
+                pos += hidden.shape[0]
+            tokens = out.prompt_token_ids + out.token_ids
+            # Every token through the target, but the last step's (the request had finished).
+            assert len(tokens) - 1 - 5 <= pos < len(tokens) - 1
+            got = torch.cat([h for _, h in calls])  # [pos, 2 * hidden]
+            # A plain forward over the same tokens in a fresh block range.
+            n = len(tokens) - 1
+            req = ScheduledRequest(out.request_id, tokens[:n], 0, list(range(1, 2 + n // 16)), None)
+            batch = build_input_batch(SchedulerOutput(requests=[req]), 16, torch.device("cpu"))
+            with torch.inference_mode(), set_forward_context(batch.attn_metadata):
+                engine.model(batch.input_ids, batch.positions)
+            want = engine.model.aux_hidden_states[:pos]
+            assert want.shape == got.shape == (pos, 2 * 64)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
