@@ -152,6 +152,9 @@ class QuantFusedMoE(nn.Module):
         self.w13_input_scale.optional = True  # type: ignore[attr-defined]
         self.w2_input_scale.optional = True  # type: ignore[attr-defined]
         self._prefetch: _CsfLayer | None = None
+        # With csf_prefetch: the checkpoint's CSF blobs, by (param, expert, part), so the layer's
+        # compressed scales are assembled from them instead of encoded again at load.
+        self._csf_blobs: dict[tuple[str, int, int], CSFTensor] = {}
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -179,6 +182,9 @@ class QuantFusedMoE(nn.Module):
                 raise CorruptCheckpointError(
                     f"{name!r}: CSF scales of kind {blob.kind!r} in {self.weight_format} experts"
                 )
+            if self.options.csf_prefetch:
+                key = "w13" if is_w13 else "w2"
+                self._csf_blobs[(key, expert, part)] = blob
             loaded = decode_csf(blob)[0]
         elif loaded.dtype == torch.float8_e4m3fn:
             loaded = loaded.view(torch.uint8)
@@ -256,11 +262,10 @@ class _CsfPlanes:
     max_records: int
 
     @classmethod
-    def encode(cls, scales: torch.Tensor, kind: str, device: torch.device) -> _CsfPlanes:
-        t = encode_csf(scales.cpu(), kind)
+    def from_tensor(cls, t: CSFTensor, device: torch.device) -> _CsfPlanes:
         records = t.records if t.num_exceptions else torch.zeros(1, dtype=torch.int32)
         return cls(
-            kind,
+            t.kind,
             t.base.to(device),
             t.offsets.to(device),
             records.to(device),
@@ -276,6 +281,63 @@ class _CsfPlanes:
         )  # fmt: skip
 
 
+def _merge_csf(blocks_by_expert: list[list[CSFTensor]], kind: str) -> CSFTensor:
+    """One [E, R, C] CSF tensor from per-expert row blocks ([1, r_i, C] each, in row order):
+    planes concatenate, each block's record positions move down by the rows before it."""
+    bases, offsets, records, counts = [], [], [], []
+    rows = 0
+    cols = blocks_by_expert[0][0].shape[2]
+    for blocks in blocks_by_expert:
+        rows = 0
+        for t in blocks:
+            if t.shape[0] != 1 or t.shape[2] != cols or t.kind != kind:
+                raise CorruptCheckpointError(
+                    f"CSF expert scales of shape {t.shape} / kind {t.kind!r} do not stack with "
+                    f"[1, rows, {cols}] {kind!r} blocks"
+                )
+            bases.append(t.base[0])
+            offsets.append(t.offsets[0])
+            word = (t.records.to(torch.int64) & 0xFFFFFFFF) + rows * cols  # position field only
+            records.append(torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32))
+            counts.append(t.record_offsets[1:] - t.record_offsets[:-1])
+            rows += t.shape[1]
+    e = len(blocks_by_expert)
+    if rows * cols > 1 << 24:
+        raise UnsupportedModelError(f"CSF: {rows} x {cols} scales exceed the 24-bit positions")
+    cnt = torch.cat(counts)
+    record_offsets = torch.zeros(cnt.numel() + 1, dtype=torch.int64)
+    torch.cumsum(cnt, 0, out=record_offsets[1:])
+    return CSFTensor(
+        1,
+        kind,
+        (e, rows, cols),
+        torch.cat(bases).reshape(e, rows),
+        torch.cat(offsets).reshape(e, rows, -1),
+        torch.cat(records),
+        record_offsets,
+    )
+
+
+def layer_csf_planes(layer: QuantFusedMoE, device: torch.device) -> tuple[_CsfPlanes, _CsfPlanes]:
+    """The layer's (w13, w2) compressed scales on `device`: assembled from the checkpoint's CSF
+    blobs when it had them for every (expert, projection), otherwise encoded from the scales."""
+    kind = layer.weight_format
+    planes = []
+    for key, parts, scales in (
+        ("w13", 2, layer.w13_weight_scale),
+        ("w2", 1, layer.w2_weight_scale),
+    ):
+        blobs = layer._csf_blobs
+        keys = [[(key, x, j) for j in range(parts)] for x in range(layer.num_experts)]
+        if all(k in blobs for row in keys for k in row):
+            t = _merge_csf([[blobs[k] for k in row] for row in keys], kind)
+        else:
+            t = encode_csf(scales.data.cpu(), kind)
+        planes.append(_CsfPlanes.from_tensor(t, device))
+    layer._csf_blobs = {}
+    return planes[0], planes[1]
+
+
 class _CsfLayer:
     """One packed layer's compressed scales and its pair of events."""
 
@@ -283,8 +345,7 @@ class _CsfLayer:
         dev = layer.w13_weight.device
         self.owner = owner
         self.slot = slot
-        self.w13 = _CsfPlanes.encode(layer.w13_weight_scale.data, layer.weight_format, dev)
-        self.w2 = _CsfPlanes.encode(layer.w2_weight_scale.data, layer.weight_format, dev)
+        self.w13, self.w2 = layer_csf_planes(layer, dev)
         self.ready = torch.cuda.Event()
         self.done = torch.cuda.Event()
         self.pending = False
@@ -332,7 +393,16 @@ class CsfPrefetcher:
             for _ in range(2)
         ]  # fmt: skip
         for n, layer in enumerate(layers):
-            layer._prefetch = _CsfLayer(self, layer, n % 2)
+            prefetch = _CsfLayer(self, layer, n % 2)
+            # Checked once at load: the compressed scales expand to exactly the loaded ones.
+            b13, b2 = self.buffers[prefetch.slot]
+            prefetch.w13.expand(b13)
+            prefetch.w2.expand(b2)
+            if not (
+                torch.equal(b13, layer.w13_weight_scale) and torch.equal(b2, layer.w2_weight_scale)
+            ):
+                raise CorruptCheckpointError("CSF scales do not expand to the loaded scales")
+            layer._prefetch = prefetch
             # The expanded scales now live in the shared buffers only.
             empty = torch.empty(0, dtype=torch.uint8, device=dev)
             layer.w13_weight_scale.data = empty
@@ -349,6 +419,8 @@ def finalize_moe_layers(model: nn.Module, options: MoeOptions) -> list[str]:
             _install_prefetch_hooks(model)
         else:
             logger.info("csf_prefetch: ignored on %s (CUDA only)", packed[0][1].w13_weight.device)
+            for _, m in packed:
+                m._csf_blobs = {}
     lines = []
     for name, module in model.named_modules():
         if isinstance(module, QuantFusedMoE):

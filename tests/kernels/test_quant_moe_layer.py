@@ -99,6 +99,33 @@ def test_packed_layer_equals_dequantized_layer(fmt):
     assert "no calibrated input scales" in packed.describe()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4-csf", "mxfp4-csf", "nvfp4"])
+def test_prefetch_planes_expand_to_the_loaded_scales(fmt):
+    """csf_prefetch: the layer's compressed scales, assembled from the checkpoint's per-expert
+    CSF blobs (or encoded from raw scales), expand bit-exactly to the scales it loaded."""
+    from libkk.kernels.csf import csf_expand
+
+    from libkk.layers.quant_moe import layer_csf_planes
+
+    e, hidden, inter = 3, 64, 64
+    algo = fmt.split("-")[0]
+    parts = {}
+    for name, w in _checkpoint(e, hidden, inter, seed=4).items():
+        w[::3, :16] *= 300.0  # scale bytes far outside their row's window: exception records
+        parts.update(quantize_tensor(name, w, fmt))
+    packed = QuantFusedMoE(e, hidden, inter, algo, MoeOptions(algo, True, None))
+    _load(packed, parts.items())
+    assert len(packed._csf_blobs) == (3 * e if fmt.endswith("csf") else 0)
+    w13, w2 = layer_csf_planes(packed, torch.device("cpu"))
+    assert packed._csf_blobs == {}
+    assert w13.max_records > 0 and w2.max_records > 0
+    for planes, want in ((w13, packed.w13_weight_scale), (w2, packed.w2_weight_scale)):
+        out = torch.full_like(want, 0xA5)
+        csf_expand(planes.kind, planes.base, planes.offsets, planes.records,
+                   planes.record_offsets, out, planes.max_records)  # fmt: skip
+        assert torch.equal(out, want)
+
+
 def test_packed_layer_rejects_bad_parts():
     from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 
