@@ -29,13 +29,14 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compile_forward(forward: Forward) -> Forward:
+def compile_forward(forward: Forward, backend: Callable[..., Any] | None = None) -> Forward:
     """The model forward under torch.compile with dynamic token counts.
 
-    Attention layers are excluded from tracing (`Attention.forward` is `torch.compiler.disable`d),
-    so the graph splits there and Inductor fuses what lies between attention calls.
+    The model traces as one graph with each attention call an opaque op, so Inductor (the
+    default backend) fuses everything between attention calls; a `PiecewiseBackend` also cuts
+    the graph there to capture the pieces (graphs/piecewise.py).
     """
-    return torch.compile(forward, dynamic=True)
+    return torch.compile(forward, dynamic=True, backend=backend or "inductor")
 
 
 @contextlib.contextmanager

@@ -97,14 +97,27 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
 
 
 class CompilationConfig(msgspec.Struct, **_STRUCT):
-    # "FULL_DECODE_ONLY": uniform decode batches replay FULL CUDA graphs, the rest runs eagerly;
-    # "NONE": always eager. Only CUDA devices capture graphs.
-    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY"] = "FULL_DECODE_ONLY"
+    # Which batches replay CUDA graphs (CUDA only). "FULL_DECODE_ONLY" (= "FULL"): uniform decode
+    # batches (q tokens per request: 1, or 1 + K when verifying drafts) replay FULL graphs of the
+    # whole forward, the rest runs without graphs. "PIECEWISE": batches of up to the largest
+    # capture size in tokens replay the graphed pieces between attention calls, attention runs
+    # eagerly. "FULL_AND_PIECEWISE": FULL for uniform decode, PIECEWISE for the rest. "NONE": no
+    # graphs. PIECEWISE modes need torch_compile (the pieces are compiled).
+    cudagraph_mode: Literal[
+        "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"
+    ] = "FULL_DECODE_ONLY"
     # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
     cudagraph_capture_sizes: list[PositiveInt] | None = None
     # On CUDA, compile the model with torch.compile, split at attention (Inductor fuses the
     # norms, rotary, activations and residual adds between attention calls).
     torch_compile: bool = True
+
+    def __post_init__(self) -> None:
+        if "PIECEWISE" in self.cudagraph_mode and not self.torch_compile:
+            raise ValueError(
+                f"cudagraph_mode={self.cudagraph_mode!r} needs torch_compile=True "
+                "(the graphed pieces are compiled)"
+            )
 
 
 class SpeculativeConfig(msgspec.Struct, **_STRUCT):

@@ -9,12 +9,20 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from libkk.config import CompilationConfig
 from libkk.dist import get_tp_rank, get_tp_size
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
+from libkk.graphs.piecewise import (
+    PiecewiseBackend,
+    capturing_pieces,
+    null_prefill_metadata,
+    pieces_disabled,
+)
 from libkk.layers.forward_context import set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch
@@ -66,9 +74,18 @@ class ModelRunner:
         # model.forward(input_ids, positions), compiled on CUDA (CPU stays eager: exact parity
         # with the reference and no compile time).
         self.forward = model.forward
+        # PIECEWISE modes: the compiled graph is split at attention and its pieces are graphed
+        # per token count (graphs/piecewise.py), for batches no FULL graph covers.
+        self.piecewise: PiecewiseBackend | None = None
+        mode = compilation.cudagraph_mode
+        graphs = device.type == "cuda" and mode != "NONE" and capturable
         if device.type == "cuda" and compilation.torch_compile:
-            self.forward = compile_forward(model.forward)
-        if device.type == "cuda" and compilation.cudagraph_mode != "NONE" and capturable:
+            if graphs and mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+                self.piecewise = PiecewiseBackend(
+                    compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
+                )
+            self.forward = compile_forward(model.forward, backend=self.piecewise)
+        if graphs:
             self._capture_graphs(compilation, max_num_seqs, max_model_len, progress)
 
     def _capture_graphs(
@@ -116,8 +133,39 @@ class ModelRunner:
         model_config = dataclasses.asdict(self.model.config)
         with artifact_cache_scope(self.device, model_config, graph_settings) as how:
             self.compile_cache = how
-            self.graphs.capture(progress=progress)
+            if self.piecewise is not None:
+                self._capture_pieces(progress)
+            if compilation.cudagraph_mode != "PIECEWISE":
+                with pieces_disabled():  # a FULL graph runs the pieces' compiled code inline
+                    self.graphs.capture(progress=progress)
+            else:
+                self.graphs = None
         self.capture_seconds = time.perf_counter() - start
+
+    def _capture_pieces(self, progress: bool) -> None:
+        """Captures every piece at every token count, largest first, over a one-request batch
+        in the null block (its K/V writes are skipped, its outputs ignored)."""
+        sizes = sorted(self.piecewise.sizes, reverse=True)
+        ids = torch.zeros(sizes[0], dtype=torch.int64, device=self.device)
+        positions = torch.arange(sizes[0], dtype=torch.int64, device=self.device)
+        with capturing_pieces():
+            for n in tqdm(sizes, desc="Capturing piecewise graphs", disable=not progress):
+                with set_forward_context(null_prefill_metadata(n, self.block_size, self.device)):
+                    self.forward(ids[:n], positions[:n])
+        torch.cuda.synchronize()
+
+    def _run_piecewise(self, batch: InputBatch) -> torch.Tensor:
+        """The forward padded to the next captured token count (padding writes the null slot)."""
+        n = batch.input_ids.shape[0]
+        pad = self.piecewise.pad_to[n] - n
+        metadata = dataclasses.replace(
+            batch.attn_metadata, slot_mapping=F.pad(batch.attn_metadata.slot_mapping, (0, pad))
+        )
+        with set_forward_context(metadata):
+            hidden = self.forward(
+                F.pad(batch.input_ids, (0, pad)), F.pad(batch.positions, (0, pad))
+            )
+        return hidden[:n]
 
     def set_speculation(
         self, aux_hidden_layers: tuple[int, ...] = (), synthetic_rates: list[float] | None = None
@@ -146,6 +194,10 @@ class ModelRunner:
             and self.graphs.can_run(batch.attn_metadata, num_tokens)
         ):
             hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+        elif self.piecewise is not None and num_tokens <= self.piecewise.max_size:
+            hidden = self._run_piecewise(batch)  # [num_tokens, hidden]
+            if aux_layers:
+                aux = self.model.aux_hidden_states  # padded rows past num_tokens are ignored
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]

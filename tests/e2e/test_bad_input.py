@@ -154,3 +154,10 @@ def test_failing_request_fails_alone(session, monkeypatch):
     monkeypatch.undo()
     # The engine keeps serving.
     assert session.generate(prompts[0], GREEDY).token_ids == expected[0]
+
+
+def test_piecewise_graphs_need_torch_compile():
+    from libkk import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="needs torch_compile=True"):
+        EngineConfig.from_settings(cudagraph_mode="FULL_AND_PIECEWISE", torch_compile=False)

@@ -8,7 +8,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto"):
+def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto", **settings):
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -22,9 +22,13 @@ def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto"):
         torch_compile=compile_,
         kv_cache_dtype=kv_cache_dtype,
         progress=False,
+        **settings,
     ) as s:
-        if mode != "NONE":
-            assert s.engine.runner.graphs is not None and s.engine.runner.graphs.graphs
+        runner = s.engine.runner
+        if mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+            assert runner.graphs is not None and runner.graphs.graphs
+        if "PIECEWISE" in mode:
+            assert runner.piecewise.pieces and all(p.graphs for p in runner.piecewise.pieces)
         return [o.token_ids for o in s.generate(prompts, params)]
 
 
@@ -47,6 +51,17 @@ def test_compiled_graphs_equal_eager(tiny_qwen3_dir):
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (5, 77, 160)]
     eager = _generate(tiny_qwen3_dir, prompts, "NONE")
     assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", compile_=True) == eager
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_piecewise_graphs_equal_eager(tiny_qwen3_dir, mode):
+    """Chunked prefill (a 48-token budget) mixes prefill chunks with decodes, so steps of many
+    token counts replay the graphed pieces with attention eager between them."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (5, 77, 160, 33)]
+    eager = _generate(tiny_qwen3_dir, prompts, "NONE", max_num_batched_tokens=48)
+    graphed = _generate(tiny_qwen3_dir, prompts, mode, compile_=True, max_num_batched_tokens=48)
+    assert graphed == eager
 
 
 def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):
