@@ -357,6 +357,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         blocks_per_seq=args.blocks_per_seq,
         lr=args.lr,
         max_minutes=args.max_minutes,
+        sampled_softmax=args.sampled_softmax,
+        init_from=args.init_from,
         seed=args.seed,
         eval_prompts=args.eval_prompts,
     )
@@ -466,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--blocks-per-seq", type=int, default=8)
     td.add_argument("--lr", type=float, default=6e-4)
     td.add_argument("--max-minutes", type=float, default=None, help="stop training after this")
+    td.add_argument(
+        "--sampled-softmax",
+        type=int,
+        default=0,
+        metavar="N",
+        help="loss over the corpus tokens + N random others (0: the whole vocabulary)",
+    )
+    td.add_argument("--init-from", default=None, help="continue from this drafter")
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure")
     td.set_defaults(func=cmd_train_drafter)

@@ -48,6 +48,7 @@ from libkk.spec.dflash import (
     default_target_layer_ids,
     dense_block_attention,
     find_embedding,
+    load_drafter,
     save_drafter,
 )
 
@@ -70,6 +71,10 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     warmup_steps: int = 50
     loss_decay: float = 4.0  # weight of depth k: exp(-k / loss_decay)
     max_minutes: float | None = None  # stop training early at this wall time
+    # 0: the loss is a softmax over the whole vocabulary. N > 0: over the tokens of the corpus
+    # plus N random others per step (the LM head dominates a CPU step; this is ~5x cheaper).
+    sampled_softmax: int = 0
+    init_from: str | None = None  # a drafter checkpoint to continue from (same shape)
     gen_batch_size: int = 32
     seed: int = 0
     eval_prompts: int = 16
@@ -379,6 +384,26 @@ class DrafterTrainer:
         k = drafter.config.block_size - 1
         self.depth_weight = torch.exp(-torch.arange(k, dtype=torch.float32) / options.loss_decay)
         self.step_count = 0
+        self.vocab_subset: torch.Tensor | None = None  # [V'] token ids, with sampled_softmax
+        self._rng = torch.Generator().manual_seed(options.seed)
+
+    def set_corpus(self, samples: list[Sample]) -> None:
+        """The tokens every sampled softmax includes: all that occur in the corpus."""
+        tokens = torch.tensor(sorted({t for s in samples for t in s.token_ids}))
+        self.vocab_subset = tokens.to(self.lm_head.device)
+
+    def _logits(self, hidden: torch.Tensor, target: torch.Tensor):
+        """(logits [N, V or V'], labels [N] indexing them) over the whole or a sampled vocab."""
+        n = self.options.sampled_softmax
+        if n <= 0 or self.vocab_subset is None:
+            return hidden @ self.lm_head.float().t(), target
+        vocab = self.lm_head.shape[0]
+        extra = torch.randint(vocab, (n,), generator=self._rng).to(self.lm_head.device)
+        cand = torch.unique(torch.cat([self.vocab_subset, extra, target[target >= 0]]))
+        index = torch.full((vocab,), -100, dtype=torch.int64, device=cand.device)
+        index[cand] = torch.arange(cand.numel(), device=cand.device)
+        labels = torch.where(target >= 0, index[target.clamp_min(0)], -100)
+        return hidden @ self.lm_head[cand].float().t(), labels
 
     def lr_at(self, step: int, progress: float | None = None) -> float:
         """Linear warmup, then cosine to 10% over `progress` (default: step / steps)."""
@@ -440,14 +465,16 @@ class DrafterTrainer:
         embeds = F.embedding(torch.tensor(ids, device=dev), self.embedding).float()
         hidden = d.forward_block(embeds, torch.tensor(pos, device=dev), attend)  # [Q, H]
         hidden = hidden.view(n_blocks, rows, -1)[:, 1:].reshape(n_blocks * k, -1)
-        logits = hidden @ self.lm_head.float().t()  # [B * K, vocab]
         target = torch.tensor(labels, device=dev)  # [B, K]
-        ce = F.cross_entropy(logits, target.view(-1), ignore_index=-100, reduction="none")
+        logits, sub = self._logits(hidden, target.view(-1))  # [B * K, vocab or V']
+        ce = F.cross_entropy(logits, sub, ignore_index=-100, reduction="none")
         valid = (target != -100).float()  # [B, K]
         w = self.depth_weight.to(dev)[None, :] * valid
         loss = (ce.view(n_blocks, k) * w).sum() / w.sum().clamp_min(1.0)
         with torch.no_grad():
-            correct = (logits.argmax(-1).view(n_blocks, k) == target) & (target != -100)
+            correct = (logits.argmax(-1).view(n_blocks, k) == sub.view(n_blocks, k)) & (
+                target != -100
+            )
             acc = (correct.float().sum(0) / valid.sum(0).clamp_min(1.0)).tolist()
             acceptance = float(correct.long().cumprod(-1).sum(-1).float().mean()) + 1.0
         return loss, StepStats(loss=float(loss.detach()), accuracy=acc, acceptance=acceptance)
@@ -760,8 +787,19 @@ def train_drafter(
     drafter = init_drafter(
         config, target if options.init_from_target else None, options.seed, device
     )
+    if options.init_from is not None:  # continue from an earlier drafter of the same shape
+        with torch.no_grad():
+            earlier = load_drafter(options.init_from, device, torch.float32)
+            if earlier.config != config:
+                raise ConfigError(
+                    f"train-drafter: {options.init_from} has another shape or settings: "
+                    f"{earlier.config} vs {config}"
+                )
+            for p, q in zip(drafter.parameters(), earlier.parameters(), strict=True):
+                p.copy_(q)
     lm_head = target.lm_head.weight if hasattr(target, "lm_head") else find_embedding(target)
     trainer = DrafterTrainer(drafter, find_embedding(target), lm_head, options)
+    trainer.set_corpus(samples)
     history = train_loop(trainer, samples, progress)
     for p in drafter.parameters():
         p.requires_grad_(False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -421,6 +422,18 @@ def test_train_drafter_loss_goes_down_and_writes_a_checkpoint(tmp_path, target) 
     history = train_loop(trainer, samples, progress=False)
     last = float(trainer.batch_loss(samples, anchors)[0])
     assert last < 0.7 * first, (first, last, [h.loss for h in history[::10]])
+
+    # The sampled softmax (corpus tokens + a few random ones) trains the same drafter.
+    sampled = DrafterTrainer(
+        init_drafter(tiny_config(4, 1), target), target.model.embed_tokens.weight,
+        target.lm_head.weight, msgspec.structs.replace(opts, sampled_softmax=8),
+    )  # fmt: skip
+    sampled.set_corpus(samples)
+    assert sampled.vocab_subset.numel() < VOCAB
+    train_loop(sampled, samples, progress=False)
+    trainer.options = msgspec.structs.replace(opts, sampled_softmax=0)
+    sampled.options = trainer.options  # evaluate both on the whole vocabulary
+    assert float(sampled.batch_loss(samples, anchors)[0]) < 0.7 * first
 
 
 def test_speculative_greedy_equals_plain_greedy_on_tiny_model(target) -> None:
