@@ -10,23 +10,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from libkk.dist.parallel_state import get_tp_state
 
 
-# NOTE: kept out of torch.compile's trace (a graph break, like attention): the in-place collective
-# runs eagerly, and a FULL CUDA graph of the forward still records it (NCCL kernels are capturable).
-@torch.compiler.disable
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks (in place when there are several ranks); returns the sum."""
+    """Sum of `x` over the ranks; returns the sum (`x` itself at one rank).
+
+    CUDA: a functional collective, which torch.compile traces into the model graph (no graph
+    break) and a CUDA graph records with the rest of the forward. CPU (eager, gloo): in place.
+    """
     state = get_tp_state()
     if state.world_size == 1:
         return x
+    if x.is_cuda:
+        out = funcol.all_reduce(x, "sum", state.group)
+        if isinstance(out, funcol.AsyncCollectiveTensor):  # eager: wait before the next op
+            out = out.wait()
+        return out
     x = x.contiguous()
     dist.all_reduce(x, group=state.group)
     return x
 
 
+# NOTE: used on the logits after the forward (never compiled); kept out of any trace.
 @torch.compiler.disable
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenation of every rank's `x` along the last dim, in rank order: [..., n * world]."""
