@@ -17,6 +17,7 @@ from libkk.errors import (
     PromptTooLongError,
     SamplingParamsError,
     SessionClosedError,
+    TensorParallelError,
     UnknownRequestError,
     UnsupportedModelError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "SchedulerConfig",
     "Session",
     "SessionClosedError",
+    "TensorParallelError",
     "Timeline",
     "UnknownRequestError",
     "UnsupportedModelError",

@@ -55,3 +55,8 @@ class MissingDependencyError(LibkkError, ImportError):
 
 class SessionClosedError(LibkkError, RuntimeError):
     """The session was closed; no further calls are accepted."""
+
+
+class TensorParallelError(LibkkError, RuntimeError):
+    """A tensor-parallel worker failed or stopped answering; the session runs no further steps
+    (close it and start a new one)."""

@@ -45,7 +45,7 @@ from libkk.dist import (
     get_tp_size,
     init_tensor_parallel,
 )
-from libkk.errors import ConfigError, LibkkError
+from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
@@ -56,10 +56,6 @@ logger = logging.getLogger("libkk")
 
 _POLL_S = 0.05
 _STOP_GRACE_S = 10.0
-
-
-class TensorParallelError(LibkkError, RuntimeError):
-    """A tensor-parallel worker failed or stopped answering; the Session cannot run further steps."""
 
 
 def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
