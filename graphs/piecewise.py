@@ -90,7 +90,7 @@ def split_at_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], l
             partition += 1
         else:
             ids[node] = partition
-    split = split_module(gm, None, lambda n: ids[n], keep_original_order=True, tuple_return=True)
+    split = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
     pieces, attention = [], []
     for node in split.graph.nodes:
         if node.op != "call_module":
@@ -192,9 +192,8 @@ class PiecewiseBackend:
                 out = super().call_module(target, args, kwargs)
                 if target in names:
                     sub = getattr(split, target)
-                    piece = PieceGraphs(
-                        target, backend.compile_piece(sub, list(args)), backend.sizes
-                    )
+                    compiled = _compile_returning_tuple(backend.compile_piece, sub, list(args))
+                    piece = PieceGraphs(target, compiled, backend.sizes)
                     piece.pool = backend.pool
                     made.append(piece)
                     setattr(split, target, _Wrapped(piece))
@@ -229,6 +228,22 @@ class _Wrapped(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self.piece(*args)
+
+
+def _compile_returning_tuple(
+    compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+) -> Callable[..., Any]:
+    """Compiles a piece whose graph returns one value as a graph returning a 1-tuple (what the
+    AOT compilers require), and unwraps the result again."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return compile_piece(gm, example_inputs)
+    output.args = ((output.args[0],),)
+    gm.recompile()
+    compiled = compile_piece(gm, example_inputs)
+    return lambda *args: compiled(*args)[0]
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
