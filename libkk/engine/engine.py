@@ -74,6 +74,8 @@ class Engine:
             progress=config.progress,
             moe_weight_format=config.model.moe_weight_format,
             quantization=config.model.quantization,
+            csf_prefetch=config.model.csf_prefetch,
+            moe_prefill_activations=config.model.moe_prefill_activations,
         )
         if config.model.shared_host_tables:
             sched = config.scheduler
