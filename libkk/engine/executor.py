@@ -37,12 +37,14 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from libkk.config import EngineConfig
 from libkk.dist import (
     broadcast_object,
     destroy_tensor_parallel,
     get_tp_size,
+    get_tp_state,
     init_tensor_parallel,
 )
 from libkk.errors import ConfigError, TensorParallelError
@@ -149,6 +151,12 @@ class TPExecutor:
             self.procs.append(proc)
             self.pipes.append(pipe)
         _LIVE.add(self)
+        # CUDA: a collective waiting for a dead peer never returns (the kernel spins); a monitor
+        # aborts the NCCL group when a worker exits mid-step, so the step fails instead.
+        self._in_step = threading.Event()
+        self._aborted: str | None = None
+        if device.type == "cuda":
+            threading.Thread(target=self._monitor, name="libkk-tp-monitor", daemon=True).start()
         try:
             self._wait_for("started", deadline=time.monotonic() + self.timeout_s)
             if device.type == "cuda":
@@ -187,7 +195,34 @@ class TPExecutor:
 
     def run_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         self.check_alive()
-        return self._guard(lambda: (broadcast_object(sched_out), runner.execute(sched_out))[1])
+        self._in_step.set()
+        try:
+            out = self._guard(lambda: (broadcast_object(sched_out), runner.execute(sched_out))[1])
+        finally:
+            self._in_step.clear()
+        if self._aborted is not None:  # the step "finished" on an aborted group: not trusted
+            self.failure = self._aborted
+            raise TensorParallelError(self.failure)
+        return out
+
+    def _monitor(self) -> None:
+        while not self._closed:
+            time.sleep(0.2)
+            if not self._in_step.is_set() or self._aborted is not None:
+                continue
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is None:
+                    continue
+                self._aborted = (
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode} during a step; the session cannot continue: close it and "
+                    "start a new one"
+                )
+                try:  # unblocks this rank's pending NCCL collectives
+                    dist.distributed_c10d._abort_process_group(get_tp_state().group)
+                except Exception as e:  # noqa: BLE001 - best effort; the step may still time out
+                    logger.warning("could not abort the NCCL group: %s", e)
+                break
 
     def _guard(self, fn: Any) -> Any:
         try:

@@ -50,3 +50,33 @@ def test_tp2_greedy_equals_tp1(tiny_qwen3_dir, mode, compile_):
     ]
     reference = _generate(tiny_qwen3_dir, prompts, 1, "NONE", False)
     assert _generate(tiny_qwen3_dir, prompts, 2, mode, compile_) == reference
+
+
+def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir):
+    """NCCL does not notice a dead peer by itself: the executor aborts the group, the step
+    fails with TensorParallelError and this process survives."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from libkk import SamplingParams, Session, TensorParallelError
+
+    with Session(
+        str(tiny_qwen3_dir),
+        device="cuda",
+        tensor_parallel_size=2,
+        max_num_seqs=4,
+        max_model_len=1024,
+        cudagraph_mode="NONE",
+        torch_compile=False,
+        progress=False,
+        worker_timeout_s=120.0,
+    ) as s:
+        s.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        pid = s.engine.executor.procs[0].pid
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1"):  # ~1000 eager steps: seconds
+            s.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=1000, ignore_eos=True))
+        assert time.monotonic() - start < 60.0
