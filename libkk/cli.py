@@ -234,17 +234,18 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     from libkk.api.session import Session
 
     # NOTE: compile and capture happen when an engine with graphs loads the model, so warming is
-    # loading it once. Today that fills torch's own Inductor and Triton caches; storing the
-    # compiled artifacts in libkk's artifact cache is not wired into the engine yet.
+    # loading it once: the runner stores what it compiled in the artifact cache (and Triton's
+    # cache keeps the kernels), and the next start of the same model and settings loads them.
     config = _engine_config(args)
     if args.device is not None:
         config = config.updated(device=args.device)
     start = time.perf_counter()
     with Session(config=config) as session:
         device = session.engine.device
+        how = session.engine.runner.compile_cache
     print(
         f"warmed {args.model or 'the default model'} on {device} "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"in {time.perf_counter() - start:.1f} s (artifact cache: {how})"
     )
     return 0
 

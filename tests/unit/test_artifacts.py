@@ -507,7 +507,8 @@ def test_cli_warm_loads_the_model_through_a_session(
                 device=config.device,
                 seqs=config.scheduler.max_num_seqs,
             )
-            self.engine = type("E", (), {"device": torch.device("cpu")})()
+            runner = type("R", (), {"compile_cache": "off"})()
+            self.engine = type("E", (), {"device": torch.device("cpu"), "runner": runner})()
 
         def __enter__(self):
             return self
@@ -518,4 +519,5 @@ def test_cli_warm_loads_the_model_through_a_session(
     monkeypatch.setattr(session_module, "Session", FakeSession)
     assert main(["cache", "warm", "/models/x", "--device", "cpu", "--set", "max_num_seqs=4"]) == 0
     assert seen == {"model": "/models/x", "device": "cpu", "seqs": 4}
-    assert "warmed /models/x on cpu" in capsys.readouterr().out
+    assert "warmed /models/x on cpu in" in (out := capsys.readouterr().out)
+    assert "(artifact cache: off)" in out
