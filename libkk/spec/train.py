@@ -753,7 +753,10 @@ def train_drafter(
     device = next(target.parameters()).device
 
     corpus = Path(corpus_path) if corpus_path is not None else None
-    with TargetRunner(target, config.target_layer_ids) as runner:
+    # KV blocks for a whole generation batch (and for the 4096-token hidden-state steps).
+    longest = max(len(p) for p in prompt_ids) + options.max_new_tokens + 1
+    num_blocks = max(512, options.gen_batch_size * -(-longest // 16) + 2, 4096 // 16 + 64)
+    with TargetRunner(target, config.target_layer_ids, num_blocks=num_blocks) as runner:
         if corpus is not None and corpus.is_file():  # generated earlier: reuse it
             saved = json.loads(corpus.read_text(encoding="utf-8"))
             prompt_ids = [
