@@ -19,6 +19,9 @@ from ._jit import check_device, jit, next_pow2
 
 SLAB_ROWS = 16
 POSITION_BITS = 24
+# NOTE: a kernel may read a global only as a tl.constexpr (Triton 3.6 rejects plain ints).
+_POSITION_BITS_K = tl.constexpr(POSITION_BITS)
+_POSITION_MASK_K = tl.constexpr((1 << POSITION_BITS) - 1)
 # kind -> bits per packed offset (docs/csf.md)
 OFFSET_BITS = {"mxfp4": 1, "nvfp4": 4}
 RECORD_BLOCK = 256
@@ -67,8 +70,8 @@ def _csf_expand_kernel(
         idx = start + i + tl.arange(0, REC_BLOCK)
         rmask = idx < end
         word = tl.load(rec_ptr + idx, mask=rmask, other=0)
-        pos = word & ((1 << POSITION_BITS) - 1)
-        val = (word >> POSITION_BITS) & 0xFF  # arithmetic shift: mask the sign copies away
+        pos = word & _POSITION_MASK_K
+        val = (word >> _POSITION_BITS_K) & 0xFF  # arithmetic shift: mask the sign copies away
         tl.store(out_base + pos, val.to(tl.uint8), mask=rmask)
 
 
