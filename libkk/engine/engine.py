@@ -29,6 +29,7 @@ from libkk.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
+from libkk.layers.moe import FusedMoE
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
 from libkk.models.tokenizer import Tokenizer
@@ -139,8 +140,9 @@ class Engine:
             compilation=config.compilation,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
-            # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable.
-            capturable=not self.arch.is_moe,
+            # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable
+            # (packed 4-bit experts run host-sync-free kernels and are).
+            capturable=not any(isinstance(m, FusedMoE) for m in self.model.modules()),
             progress=config.progress,
             # Verification batches where every request has K drafts replay graphs too.
             query_lens=(1, 1 + spec.num_speculative_tokens) if self.proposer else (1,),
