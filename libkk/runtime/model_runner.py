@@ -142,6 +142,7 @@ class ModelRunner:
                 self.graphs = None
         self.capture_seconds = time.perf_counter() - start
 
+    @torch.inference_mode()  # as `execute` runs: dynamo guards on the grad mode
     def _capture_pieces(self, progress: bool) -> None:
         """Captures every piece at every token count, largest first, over a one-request batch
         in the null block (its K/V writes are skipped, its outputs ignored)."""
