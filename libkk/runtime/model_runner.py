@@ -147,6 +147,9 @@ class ModelRunner:
         """Captures every piece at every token count, largest first, over a one-request batch
         in the null block (its K/V writes are skipped, its outputs ignored)."""
         sizes = sorted(self.piecewise.sizes, reverse=True)
+        # One memory pool for every piece's graphs: replays never overlap, so the intermediates
+        # of one graph may reuse another's (each graph's output stays referenced).
+        self.piecewise.pool = torch.cuda.graph_pool_handle()
         ids = torch.zeros(sizes[0], dtype=torch.int64, device=self.device)
         positions = torch.arange(sizes[0], dtype=torch.int64, device=self.device)
         with capturing_pieces():
