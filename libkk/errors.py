@@ -60,3 +60,7 @@ class SessionClosedError(LibkkError, RuntimeError):
 class TensorParallelError(LibkkError, RuntimeError):
     """A tensor-parallel worker failed or stopped answering; the session runs no further steps
     (close it and start a new one)."""
+
+
+class SpeculationInputError(LibkkError, ValueError):
+    """A tensor or value handed to the speculation helpers has the wrong shape, type or range."""

@@ -48,12 +48,11 @@ import msgspec
 import torch
 from torch import Tensor
 
-from libkk.errors import ConfigError
+from libkk.errors import ConfigError, SpeculationInputError
 from libkk.sample.gumbel import keyed_uniform_at
 from libkk.spec.estimator import (
     ONE_HOT_FEATURE,
     AcceptanceEstimator,
-    SpeculationInputError,
     _int_rows,
     draft_feature,
 )

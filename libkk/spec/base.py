@@ -53,11 +53,13 @@ class Proposer(ABC):
     def propose(self, requests: list[ProposeRequest]) -> DraftProposal:
         """Drafts for each request, in order."""
 
-    def add_context(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+    def add_context(  # noqa: B027 - an optional hook: a no-op for token-only proposers
+        self, request_id: str, start_position: int, hidden: torch.Tensor
+    ) -> None:
         """Model-based proposers: the target's chosen-layer hidden states for tokens whose KV
         became final this step (every row of a prefill chunk; the anchor + accepted drafts of a
         verification), in position order from start_position. Called before `propose`.
         hidden: [num_tokens, len(target_layer_ids) * target hidden]."""
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: str) -> None:  # noqa: B027 - a no-op for stateless proposers
         """Forget a finished, aborted or preempted request's state."""

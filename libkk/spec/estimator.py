@@ -48,17 +48,13 @@ import msgspec
 import torch
 from torch import Tensor
 
-from libkk.errors import ConfigError, LibkkError
+from libkk.errors import ConfigError, SpeculationInputError
 
 # The feature of a one-hot draft distribution (n-gram drafts, greedy rows): no information about
 # confidence, so the prediction is the slot's intercept alone.
 ONE_HOT_FEATURE = 0.0
 # |f| bound: logit(max q) of a near-one-hot distribution grows without limit.
 FEATURE_CLAMP = 40.0
-
-
-class SpeculationInputError(LibkkError, ValueError):
-    """A tensor or value handed to the speculation helpers has the wrong shape, type or range."""
 
 
 class EstimatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

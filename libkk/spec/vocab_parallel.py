@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from libkk.errors import SpeculationInputError
 from libkk.sample.gumbel import (
     DRAFT_POSITION_SALT,
     gumbel_argmax,
@@ -59,7 +60,7 @@ from libkk.sample.gumbel import (
     uniform_to_gumbel_,
 )
 from libkk.sample.rejection import ACCEPT_POSITION_SALT
-from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE, SpeculationInputError
+from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
 
 Gather = Callable[[list[Tensor]], Tensor]
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from libkk.errors import SpeculationInputError
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.rejection import rejection_sample
-from libkk.spec.estimator import SpeculationInputError, draft_feature
+from libkk.spec.estimator import draft_feature
 from libkk.spec.vocab_parallel import (
     DRAFT_STATS,
     FINAL_STATS,
