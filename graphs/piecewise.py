@@ -25,8 +25,6 @@ from libkk.graphs.capture import padded_size_table
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from libkk.layers.forward_context import AttentionMetadata
-
 logger = logging.getLogger(__name__)
 
 ATTENTION_OPS = ("libkk.attention",)
@@ -53,24 +51,6 @@ def capturing_pieces() -> Iterator[None]:
         yield
     finally:
         _capturing = previous
-
-
-def null_prefill_metadata(
-    num_tokens: int, block_size: int, device: torch.device
-) -> AttentionMetadata:
-    """One request of `num_tokens` tokens living in the null block: what captures run on."""
-    num_blocks = -(-num_tokens // block_size)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_table=torch.zeros(1, num_blocks, dtype=torch.int32, device=device),
-        block_size=block_size,
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        query_start_loc_cpu=[0, num_tokens],
-        seq_lens_cpu=[num_tokens],
-    )
 
 
 def _is_attention(node: fx.Node) -> bool:

@@ -140,7 +140,8 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # benchmarks only, outputs then differ from the target's.
     rejection_sample_method: Literal["exact", "synthetic"] = "exact"
     synthetic_acceptance_rates: list[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] | None = None
-    # Admit drafts by an online acceptance estimate and profiled costs (libkk/spec/adaptive.py).
+    # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
+    # profiled at start-up (libkk/engine/adaptive.py); the output is unchanged.
     adaptive_verification: bool = False
 
     def __post_init__(self) -> None:

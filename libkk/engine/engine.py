@@ -18,6 +18,7 @@ from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_ca
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
+from libkk.engine.adaptive import AdaptiveDrafts
 from libkk.engine.detokenizer import IncrementalDetokenizer
 from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
 from libkk.engine.outputs import Logprob, RequestOutput
@@ -157,6 +158,21 @@ class Engine:
                     else None
                 ),
             )
+        self.adaptive: AdaptiveDrafts | None = None
+        if self.proposer is not None and spec.adaptive_verification:
+            self.adaptive = AdaptiveDrafts.build(
+                self.runner.forward,
+                self.proposer,
+                num_speculative_tokens=spec.num_speculative_tokens,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                block_size=block_size,
+                hidden_size=self.arch.hidden_size,
+                vocab_size=self.arch.vocab_size,
+                device=self.device,
+                autoregressive_sampling=(
+                    spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
+                ),
+            )
         if self.executor is not None:  # steps go to every rank from here on
             self.runner = self.executor.wrap(self.runner)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -184,14 +200,6 @@ class Engine:
         spec = self.config.speculative
         if spec.method is None:
             return None
-        if spec.adaptive_verification:
-            # NOTE: the seam: libkk/spec/adaptive.py's AdaptiveVerifier would trim each decode's
-            # spec_token_ids before Scheduler.schedule() and observe the accepted counts after
-            # Scheduler.update(); its start-up cost profiles are not built yet.
-            raise ConfigError(
-                "adaptive_verification=True is not supported by the engine yet: every proposed "
-                "draft is verified; set adaptive_verification=False"
-            )
         draft_dir = None
         if spec.method == "draft_model" and spec.draft_model is not None:
             draft_dir = resolve_model_path(spec.draft_model, progress=self.config.progress)
@@ -338,8 +346,7 @@ class Engine:
             raise UnknownRequestError(
                 f"unknown request id {request_id!r} (finished or never added)"
             )
-        if self.proposer is not None:
-            self.proposer.remove(request_id)
+        self._drop_draft_state(request_id)
         return self._make_output(request)
 
     @property
@@ -370,11 +377,19 @@ class Engine:
             runner_out = self._execute_isolated(sched_out, outputs)
         elapsed = time.perf_counter() - start
         updated = self.scheduler.update(sched_out, runner_out, elapsed)
+        if self.adaptive is not None:
+            self.adaptive.observe(sched_out, runner_out)
         for request in updated:
             outputs.append(self._process_tokens(request))
         if self.proposer is not None:
             self._propose(sched_out, runner_out, updated)
         return outputs
+
+    def _drop_draft_state(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.remove(request_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
 
     def _propose(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, updated: list[Request]
@@ -383,7 +398,7 @@ class Engine:
         proposer = self.proposer
         assert proposer is not None
         for rid in sched_out.preempted_request_ids:
-            proposer.remove(rid)
+            self._drop_draft_state(rid)
         live = self.scheduler.requests
         for rid, (start, hidden) in runner_out.aux_hidden.items():
             request = live.get(rid)
@@ -393,7 +408,7 @@ class Engine:
         asks: list[tuple[Request, ProposeRequest]] = []
         for request in updated:
             if request.finished:
-                proposer.remove(request.request_id)
+                self._drop_draft_state(request.request_id)
                 continue
             max_drafts = min(
                 k,
@@ -431,6 +446,8 @@ class Engine:
                 continue
             request.spec_token_ids = drafts
             request.draft_logits = None if logits is None else logits[: len(drafts)]
+        if self.adaptive is not None:
+            self.adaptive.trim([request for request, _ in asks])
 
     def _execute_isolated(
         self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
@@ -448,8 +465,7 @@ class Engine:
                 if request is not None:
                     request.error = f"{type(e).__name__}: {e}"
                     outputs.append(self._make_output(request))
-                if self.proposer is not None:
-                    self.proposer.remove(scheduled.request_id)
+                self._drop_draft_state(scheduled.request_id)
                 continue
             merged.sampled_token_ids.update(result.sampled_token_ids)
             merged.logprobs.update(result.logprobs)

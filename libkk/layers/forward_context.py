@@ -61,3 +61,21 @@ def get_forward_context() -> ForwardContext:
     if _forward_context is None:
         raise RuntimeError("model.forward called outside set_forward_context(...)")
     return _forward_context
+
+
+def null_prefill_metadata(
+    num_tokens: int, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """One request of `num_tokens` tokens living in the null block: what captures run on."""
+    num_blocks = -(-num_tokens // block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_table=torch.zeros(1, num_blocks, dtype=torch.int32, device=device),
+        block_size=block_size,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        query_start_loc_cpu=[0, num_tokens],
+        seq_lens_cpu=[num_tokens],
+    )

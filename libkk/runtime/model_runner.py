@@ -17,13 +17,8 @@ from libkk.config import CompilationConfig
 from libkk.dist import get_tp_rank, get_tp_size
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
-from libkk.graphs.piecewise import (
-    PiecewiseBackend,
-    capturing_pieces,
-    null_prefill_metadata,
-    pieces_disabled,
-)
-from libkk.layers.forward_context import set_forward_context
+from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
+from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput

@@ -332,8 +332,6 @@ def test_bad_speculative_settings_raise_config_error(tiny_llama_dir, tmp_path, d
         )
     with pytest.raises(ConfigError, match="needs draft_model"):
         Session(str(tiny_llama_dir), method="draft_model", progress=False)
-    with pytest.raises(ConfigError, match="adaptive_verification"):
-        Session(str(tiny_llama_dir), method="ngram", adaptive_verification=True, progress=False)
 
 
 class _RecordingProposer:
@@ -401,3 +399,44 @@ def test_model_proposers_get_hidden_states_of_final_tokens(cyclic_llama_dir, mon
             want = engine.model.aux_hidden_states[:pos]
             assert want.shape == got.shape == (pos, 2 * 64)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_adaptive_verification_keeps_greedy_output(reference, cyclic_llama_dir):
+    """Trimming drafts by the estimate and the start-up costs never changes greedy tokens; good
+    n-gram drafts keep being verified and accepted."""
+    outs, stats = _run(
+        cyclic_llama_dir, PROMPTS, GREEDY, method="ngram", num_speculative_tokens=4,
+        adaptive_verification=True,
+    )  # fmt: skip
+    assert [o.token_ids for o in outs] == reference["cyclic", "greedy"]
+    assert stats["spec_num_accepted_tokens"] > 0
+
+
+def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, small_draft_dir):
+    """With verification that costs in proportion to its tokens, a random drafter's drafts (cold
+    estimate: each accepted with p ~ 0.45) are not worth checking: adaptive verification checks
+    far fewer than plain speculation, still checks some (exploration), feeds every outcome to
+    the estimator, and leaves the greedy output unchanged. (On a tiny CPU model the profiled
+    verify cost hardly grows with tokens, so verifying everything would be the right choice:
+    the test sets the cost tables after checking that start-up profiled them.)"""
+    from libkk.spec.adaptive import CostModel
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    settings = dict(
+        method="draft_model", draft_model=str(small_draft_dir), num_speculative_tokens=4
+    )
+    plain_outs, plain = _run(tiny_llama_dir, PROMPTS, params, **settings)
+    with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
+                 adaptive_verification=True, **settings) as s:  # fmt: skip
+        adaptive = s.engine.adaptive
+        assert adaptive is not None
+        cost = adaptive.verifier.cost
+        assert len(cost.verify_points) > 1 and len(cost.draft_points) > 1  # profiled at start-up
+        adaptive.verifier.cost = CostModel(draft_ms=[(1, 0.0)], verify_ms=[(1, 1.0), (512, 512.0)])
+        outs = s.generate(PROMPTS, params)
+        stats = s.stats()
+        estimator = adaptive.verifier.estimator
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
+    assert 0 < stats["spec_num_draft_tokens"] < plain["spec_num_draft_tokens"] / 4
+    assert estimator.observed_steps > 0 and int(estimator.total_observations.sum()) > 0
+    assert not adaptive._features  # every request's entry was observed or forgotten

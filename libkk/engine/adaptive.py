@@ -1,0 +1,184 @@
+"""Adaptive verification in the engine: how many of each request's drafts the next step verifies.
+
+With `adaptive_verification=True`, after the proposer drafts, `AdaptiveDrafts.trim` asks the
+`AdaptiveVerifier` (libkk/spec/adaptive.py) for each request's draft count, from the draft
+distributions' features, the online acceptance estimate and the step costs, and cuts the drafts
+to it; after the step, `observe` feeds each request's verified and accepted counts back to the
+estimator. Trimming only decides how many drafts are verified, from features of the draft
+distributions (never of the drawn tokens), so the output keeps the target's distribution.
+
+The step costs are profiled once at start-up (`profile`): the target forward over n tokens of a
+request in the null block (verify cost vs tokens), and the proposer drafting for r stand-in
+requests whose context is in place (draft cost vs requests; their state is removed afterwards).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from libkk.engine.request import Request
+from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
+from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import SamplingRow
+from libkk.spec.adaptive import AdaptiveVerifier, CostModel, context_features, proposal_features
+from libkk.spec.base import Proposer, ProposeRequest
+from libkk.spec.estimator import AcceptanceEstimator
+
+logger = logging.getLogger(__name__)
+
+_PROFILE_PREFIX = "__libkk_profile_"
+
+
+class AdaptiveDrafts:
+    def __init__(self, verifier: AdaptiveVerifier, autoregressive_sampling: bool) -> None:
+        """autoregressive_sampling: the drafter draws each draft from a distribution that depends
+        on the earlier drawn drafts (a probabilistic draft model): slot 0's feature stands for
+        every slot then, so the choice never depends on a drawn token."""
+        self.verifier = verifier
+        self.autoregressive_sampling = autoregressive_sampling
+        self.num_positions = verifier.estimator.num_positions
+        self._features: dict[str, torch.Tensor] = {}  # request id -> [K] features of its drafts
+
+    def trim(self, requests: Sequence[Request]) -> None:
+        """Cuts each request's drafts to the verifier's choice; remembers their features."""
+        requests = [r for r in requests if r.spec_token_ids]
+        if not requests:
+            return
+        features = proposal_features(
+            [r.draft_logits for r in requests],
+            [r.params.temperature for r in requests],
+            self.num_positions,
+        )  # [R, K]
+        if self.autoregressive_sampling:
+            features = context_features(features)
+        num_proposed = torch.tensor([len(r.spec_token_ids) for r in requests])
+        chosen = self.verifier.choose(features, num_proposed).tolist()
+        for request, row, n in zip(requests, features, chosen, strict=True):
+            self._features[request.request_id] = row
+            if n == 0:
+                request.clear_drafts()
+                continue
+            request.spec_token_ids = request.spec_token_ids[:n]
+            if request.draft_logits is not None:
+                request.draft_logits = request.draft_logits[:n]
+
+    def observe(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Feeds the verified and accepted draft counts of this step to the estimator."""
+        rows, verified, accepted = [], [], []
+        for scheduled in sched_out.requests:
+            row = self._features.pop(scheduled.request_id, None)
+            tokens = runner_out.sampled_token_ids.get(scheduled.request_id)
+            if row is None or tokens is None:
+                continue
+            rows.append(row)
+            verified.append(scheduled.num_spec_tokens)
+            accepted.append(len(tokens) - 1)  # the accepted drafts, then one target token
+        if rows:
+            self.verifier.observe(torch.stack(rows), torch.tensor(verified), torch.tensor(accepted))
+
+    def forget(self, request_id: str) -> None:
+        self._features.pop(request_id, None)
+
+    @classmethod
+    def build(
+        cls,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        proposer: Proposer,
+        *,
+        num_speculative_tokens: int,
+        max_num_seqs: int,
+        block_size: int,
+        hidden_size: int,
+        vocab_size: int,
+        device: torch.device,
+        autoregressive_sampling: bool,
+    ) -> AdaptiveDrafts:
+        cost = profile_costs(
+            forward,
+            proposer,
+            num_speculative_tokens=num_speculative_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            device=device,
+        )
+        logger.info(
+            "adaptive verification costs (ms): draft %s, verify %s",
+            [(int(n), round(ms, 3)) for n, ms in cost.draft_points],
+            [(int(n), round(ms, 3)) for n, ms in cost.verify_points],
+        )
+        verifier = AdaptiveVerifier(AcceptanceEstimator(num_speculative_tokens), cost)
+        return cls(verifier, autoregressive_sampling)
+
+
+def _counts(limit: int) -> list[int]:
+    """1, 2, 4, ... up to limit, and limit itself."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= 2
+    return [*out, limit]
+
+
+@torch.inference_mode()
+def profile_costs(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    proposer: Proposer,
+    *,
+    num_speculative_tokens: int,
+    max_num_seqs: int,
+    block_size: int,
+    hidden_size: int,
+    vocab_size: int,
+    device: torch.device,
+) -> CostModel:
+    """Start-up cost tables: the target forward over n tokens, the proposer over r requests."""
+    k = num_speculative_tokens
+    max_requests = min(max_num_seqs, 64)
+    max_tokens = max_requests * (1 + k)
+    context = list(range(1, 17))  # stand-in prompt; ids past the vocabulary are never drawn
+    context = [t % vocab_size for t in context]
+
+    def verify_step(n: int) -> None:
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        positions = torch.arange(n, dtype=torch.int64, device=device)
+        with set_forward_context(null_prefill_metadata(n, block_size, device)):
+            forward(ids, positions)
+
+    width = len(getattr(proposer, "target_layer_ids", ())) * hidden_size
+    row = SamplingRow(
+        params=SamplingParams(temperature=0.0),
+        seed=0,
+        position=len(context),
+        prompt_token_ids=context,
+        output_token_ids=[],
+        banned_token_ids=(),
+    )
+    ids = [f"{_PROFILE_PREFIX}{i}" for i in range(max_requests)]
+    if width:  # model drafters read the target's hidden states of the context first
+        hidden = torch.zeros(len(context), width, device=device)
+        for rid in ids:
+            proposer.add_context(rid, 0, hidden)
+
+    def draft_step(r: int) -> None:
+        proposer.propose([ProposeRequest(rid, list(context), row, k) for rid in ids[:r]])
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    try:
+        return CostModel.profile(
+            draft_step,
+            verify_step,
+            _counts(max_requests),
+            _counts(max_tokens),
+            warmup=1,
+            repeats=3,
+            synchronize=sync,
+        )
+    finally:
+        for rid in ids:
+            proposer.remove(rid)
