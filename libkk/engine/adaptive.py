@@ -95,6 +95,7 @@ class AdaptiveDrafts:
         hidden_size: int,
         vocab_size: int,
         device: torch.device,
+        dtype: torch.dtype,
         autoregressive_sampling: bool,
     ) -> AdaptiveDrafts:
         cost = profile_costs(
@@ -106,6 +107,7 @@ class AdaptiveDrafts:
             hidden_size=hidden_size,
             vocab_size=vocab_size,
             device=device,
+            dtype=dtype,
         )
         logger.info(
             "adaptive verification costs (ms): draft %s, verify %s",
@@ -125,7 +127,9 @@ def _counts(limit: int) -> list[int]:
     return [*out, limit]
 
 
-@torch.inference_mode()
+# NOTE: no_grad, not inference_mode: a proposer may grow its KV pool here, and tensors made under
+# inference_mode could not be written by the steps that follow (they propose outside it).
+@torch.no_grad()
 def profile_costs(
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     proposer: Proposer,
@@ -136,6 +140,7 @@ def profile_costs(
     hidden_size: int,
     vocab_size: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> CostModel:
     """Start-up cost tables: the target forward over n tokens, the proposer over r requests."""
     k = num_speculative_tokens
@@ -161,7 +166,7 @@ def profile_costs(
     )
     ids = [f"{_PROFILE_PREFIX}{i}" for i in range(max_requests)]
     if width:  # model drafters read the target's hidden states of the context first
-        hidden = torch.zeros(len(context), width, device=device)
+        hidden = torch.zeros(len(context), width, device=device, dtype=dtype)
         for rid in ids:
             proposer.add_context(rid, 0, hidden)
 

@@ -169,6 +169,7 @@ class Engine:
                 hidden_size=self.arch.hidden_size,
                 vocab_size=self.arch.vocab_size,
                 device=self.device,
+                dtype=self.dtype,
                 autoregressive_sampling=(
                     spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
                 ),

@@ -440,3 +440,14 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
     assert 0 < stats["spec_num_draft_tokens"] < plain["spec_num_draft_tokens"] / 4
     assert estimator.observed_steps > 0 and int(estimator.total_observations.sum()) > 0
     assert not adaptive._features  # every request's entry was observed or forgotten
+
+
+def test_adaptive_verification_with_the_shipped_dflash_drafter(default_model_dir):
+    """Start-up profiling hands a block drafter stand-in context, then removes it; greedy output
+    with DFlash drafts trimmed adaptively equals plain greedy on the default model."""
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    with Session(method="dflash", adaptive_verification=True, progress=False) as s:
+        got = s.generate("The capital of France is", params).token_ids
+    with Session(progress=False) as s:
+        want = s.generate("The capital of France is", params).token_ids
+    assert got == want
