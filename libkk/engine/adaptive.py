@@ -127,8 +127,9 @@ def _counts(limit: int) -> list[int]:
     return [*out, limit]
 
 
-# NOTE: no_grad, not inference_mode: a proposer may grow its KV pool here, and tensors made under
-# inference_mode could not be written by the steps that follow (they propose outside it).
+# NOTE: no_grad, not inference_mode, around the proposer: it may grow its KV pool here, and
+# tensors made under inference_mode could not be written by the steps that follow (they propose
+# outside it).
 @torch.no_grad()
 def profile_costs(
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -152,7 +153,11 @@ def profile_costs(
     def verify_step(n: int) -> None:
         ids = torch.zeros(n, dtype=torch.int64, device=device)
         positions = torch.arange(n, dtype=torch.int64, device=device)
-        with set_forward_context(null_prefill_metadata(n, block_size, device)):
+        # inference_mode as the runner's steps: a compiled forward guards on the grad mode
+        with (
+            torch.inference_mode(),
+            set_forward_context(null_prefill_metadata(n, block_size, device)),
+        ):
             forward(ids, positions)
 
     width = len(getattr(proposer, "target_layer_ids", ())) * hidden_size
