@@ -34,10 +34,19 @@ _PROFILE_PREFIX = "__libkk_profile_"
 
 
 class AdaptiveDrafts:
-    def __init__(self, verifier: AdaptiveVerifier, autoregressive_sampling: bool) -> None:
-        """autoregressive_sampling: the drafter draws each draft from a distribution that depends
-        on the earlier drawn drafts (a probabilistic draft model): slot 0's feature stands for
-        every slot then, so the choice never depends on a drawn token."""
+    def __init__(
+        self, cost: CostModel, num_speculative_tokens: int, autoregressive_sampling: bool
+    ) -> None:
+        """cost: the step costs (`profile_costs`); autoregressive_sampling: the drafter draws each
+        draft from a distribution that depends on the earlier drawn drafts (a probabilistic draft
+        model): slot 0's feature stands for every slot then, so the choice never depends on a
+        drawn token."""
+        logger.info(
+            "adaptive verification costs (ms): draft %s, verify %s",
+            [(int(n), round(ms, 3)) for n, ms in cost.draft_points],
+            [(int(n), round(ms, 3)) for n, ms in cost.verify_points],
+        )
+        verifier = AdaptiveVerifier(AcceptanceEstimator(num_speculative_tokens), cost)
         self.verifier = verifier
         self.autoregressive_sampling = autoregressive_sampling
         self.num_positions = verifier.estimator.num_positions
@@ -82,40 +91,6 @@ class AdaptiveDrafts:
 
     def forget(self, request_id: str) -> None:
         self._features.pop(request_id, None)
-
-    @classmethod
-    def build(
-        cls,
-        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        proposer: Proposer,
-        *,
-        num_speculative_tokens: int,
-        max_num_seqs: int,
-        block_size: int,
-        hidden_size: int,
-        vocab_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        autoregressive_sampling: bool,
-    ) -> AdaptiveDrafts:
-        cost = profile_costs(
-            forward,
-            proposer,
-            num_speculative_tokens=num_speculative_tokens,
-            max_num_seqs=max_num_seqs,
-            block_size=block_size,
-            hidden_size=hidden_size,
-            vocab_size=vocab_size,
-            device=device,
-            dtype=dtype,
-        )
-        logger.info(
-            "adaptive verification costs (ms): draft %s, verify %s",
-            [(int(n), round(ms, 3)) for n, ms in cost.draft_points],
-            [(int(n), round(ms, 3)) for n, ms in cost.verify_points],
-        )
-        verifier = AdaptiveVerifier(AcceptanceEstimator(num_speculative_tokens), cost)
-        return cls(verifier, autoregressive_sampling)
 
 
 def _counts(limit: int) -> list[int]:

@@ -18,7 +18,7 @@ from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_ca
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
-from libkk.engine.adaptive import AdaptiveDrafts
+from libkk.engine.adaptive import AdaptiveDrafts, profile_costs
 from libkk.engine.detokenizer import IncrementalDetokenizer
 from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
 from libkk.engine.outputs import Logprob, RequestOutput
@@ -37,7 +37,6 @@ from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
-from libkk.sample.sampler import SamplingRow
 from libkk.spec import make_proposer
 from libkk.spec.base import Proposer, ProposeRequest
 
@@ -160,7 +159,7 @@ class Engine:
             )
         self.adaptive: AdaptiveDrafts | None = None
         if self.proposer is not None and spec.adaptive_verification:
-            self.adaptive = AdaptiveDrafts.build(
+            cost = profile_costs(
                 self.runner.forward,
                 self.proposer,
                 num_speculative_tokens=spec.num_speculative_tokens,
@@ -170,6 +169,10 @@ class Engine:
                 vocab_size=self.arch.vocab_size,
                 device=self.device,
                 dtype=self.dtype,
+            )
+            self.adaptive = AdaptiveDrafts(
+                cost,
+                spec.num_speculative_tokens,
                 autoregressive_sampling=(
                     spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
                 ),
@@ -418,14 +421,7 @@ class Engine:
             )
             if max_drafts <= 0:
                 continue
-            row = SamplingRow(
-                params=request.params,
-                seed=request.seed,
-                position=request.num_tokens,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                banned_token_ids=tuple(request.banned_token_ids()),
-            )
+            row = request.sampling_row()
             asks.append(
                 (
                     request,

@@ -18,7 +18,7 @@ import torch
 
 from libkk.engine.timeline import Timeline
 from libkk.sample.params import SamplingParams
-from libkk.sample.sampler import TokenLogprobs
+from libkk.sample.sampler import SamplingRow, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -119,6 +119,17 @@ class Request:
         if self.num_output_tokens < self.params.min_tokens:
             return self.eos_token_ids | self.stop_token_ids
         return frozenset()
+
+    def sampling_row(self) -> SamplingRow:
+        """The row that samples this request's next token (position = tokens so far)."""
+        return SamplingRow(
+            params=self.params,
+            seed=self.seed,
+            position=self.num_tokens,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            banned_token_ids=tuple(self.banned_token_ids()),
+        )
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)

@@ -29,7 +29,6 @@ from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.config import SchedulerConfig
 from libkk.engine.request import Request, RequestStatus
 from libkk.runtime.io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from libkk.sample.sampler import SamplingRow
 
 PREFILL, DECODE = "prefill", "decode"
 # "auto" share: bounds and the most it moves per step.
@@ -180,14 +179,7 @@ class Scheduler:
         num_new -= len(spec)
         sampling = None
         if start + num_new == request.num_tokens:
-            sampling = SamplingRow(
-                params=request.params,
-                seed=request.seed,
-                position=request.num_tokens,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                banned_token_ids=tuple(request.banned_token_ids()),
-            )
+            sampling = request.sampling_row()
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new] + spec,

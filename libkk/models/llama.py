@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
 
 
 # Checkpoint name fragment -> (parameter name fragment, shard id) for stacked parameters.
-_STACKED: tuple[tuple[str, str, Hashable], ...] = (
+STACKED_PARAMS: tuple[tuple[str, str, Hashable], ...] = (
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
     (".v_proj.", ".qkv_proj.", "v"),
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             if m := _FUSED_EXPERTS.match(name):
                 param = "w13_weight" if m["proj"] == "gate_up_proj" else "w2_weight"
                 return f"{m['prefix']}.{param}", None
-        for ckpt_part, param_part, shard_id in _STACKED:
+        for ckpt_part, param_part, shard_id in STACKED_PARAMS:
             if ckpt_part in name:
                 return name.replace(ckpt_part, param_part), shard_id
         return name, None

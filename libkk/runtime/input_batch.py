@@ -15,6 +15,7 @@ from libkk.sample.sampler import SamplingRow
 @dataclass
 class InputBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
+    input_ids_cpu: np.ndarray  # [num_tokens] int64, the host copy (host-table embeddings read it)
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     # [sum(1 + num_spec)] int64: the last 1 + n rows of each sampling request (n = its drafts).
@@ -77,6 +78,7 @@ def build_input_batch(
     )
     return InputBatch(
         input_ids=to_dev(input_ids),
+        input_ids_cpu=input_ids,
         positions=to_dev(positions.astype(np.int64)),
         attn_metadata=metadata,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),

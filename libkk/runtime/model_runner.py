@@ -7,7 +7,6 @@ import time
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,10 +179,8 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
         num_tokens = batch.input_ids.shape[0]
-        if self.host_embeddings:  # rows of host-resident tables, gathered before the forward
-            ids = np.fromiter((t for r in sched_out.requests for t in r.token_ids), np.int64)
-            for embedding in self.host_embeddings:
-                embedding.stage(ids)
+        for embedding in self.host_embeddings:  # rows of host tables, gathered before the forward
+            embedding.stage(batch.input_ids_cpu)
         aux_layers = self.aux_hidden_layers
         aux: torch.Tensor | None = None  # [num_tokens, len(aux_layers) * hidden]
         if (

@@ -38,6 +38,7 @@ from libkk.layers.linear import WHOLE, GateUpLinear, Linear, QKVLinear, default_
 from libkk.layers.linear import linear as linear_op
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RopeConfig, RotaryEmbedding
+from libkk.models.llama import STACKED_PARAMS
 from libkk.quant.checkpoint import fp8_block_dequantize_stream
 from libkk.quant.formats import quantize_fp8_block
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
@@ -51,13 +52,6 @@ ARCHITECTURE = "DFlashDraftModel"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-dflash"
 SHIPPED_TARGET = "SmolLM2-135M-Instruct"
 
-_STACKED: tuple[tuple[str, str, Hashable], ...] = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
 _QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.")
 _QUANTIZED += (".down_proj.",)
 
@@ -333,7 +327,7 @@ class DFlashDraftModel(nn.Module):
 
 
 def _param_name(name: str) -> tuple[str, Hashable]:
-    for ckpt_part, param_part, shard in _STACKED:
+    for ckpt_part, param_part, shard in STACKED_PARAMS:
         if ckpt_part in name:
             return name.replace(ckpt_part, param_part), shard
     return name, None
