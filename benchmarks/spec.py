@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="spec.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny shape")
+    ap.add_argument("--lengths", type=float, nargs="+", default=list(ACCEPTANCE_LENGTHS))
+    ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -121,7 +123,7 @@ def main() -> None:
         phrase = prompts(batch, 32, vocab, seed=1)
         repetitive = [(p * (args.prompt // 32 + 1))[: args.prompt] for p in phrase]
         cases = [("none", ids, {})]
-        for length in ACCEPTANCE_LENGTHS:
+        for length in args.lengths:
             spec = dict(
                 method="ngram",
                 num_speculative_tokens=K,
@@ -129,8 +131,9 @@ def main() -> None:
                 synthetic_acceptance_rates=[rate_for_length(length)],
             )
             cases.append((f"synthetic {length}", ids, spec))
-        cases.append(("ngram", repetitive, dict(method="ngram", num_speculative_tokens=K)))
-        cases.append(("none (repetitive)", repetitive, {}))
+        if not args.no_ngram:
+            cases.append(("ngram", repetitive, dict(method="ngram", num_speculative_tokens=K)))
+            cases.append(("none (repetitive)", repetitive, {}))
         base = None
         for name, workload, spec in cases:
             row = {"batch": batch, "case": name}
