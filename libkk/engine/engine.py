@@ -367,7 +367,7 @@ class Engine:
             return []
         self.num_steps += 1
         if self.host_tier is not None:
-            self.host_tier.wait_copies()  # the forward runs after this step's tier copies
+            self.host_tier.flush()  # the forward runs after this step's tier copies
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
         try:

@@ -8,7 +8,7 @@ import torch
 
 from libkk import ConfigError, SamplingParams, Session
 from libkk.cache.kv_cache_manager import KVCacheManager
-from libkk.cache.offload import HostKVTier
+from libkk.cache.offload import HostKVTier, _runs
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = "In the beginning the universe was created. This has made a lot of people very angry " * 2
@@ -32,12 +32,45 @@ def test_evicted_blocks_are_restored_bit_exact():
     assert kv.allocate_slots(b, 10) is not None
     assert tier.num_stored == 2  # a's two full blocks (its partial third was never cached)
     kv.free(b)
+    tier.flush()  # as the engine does before a forward: the bytes move now
     cache.zero_()  # the device copy is gone: only the host tier still has a's K/V
     hits, num_tokens = kv.get_computed_blocks(Req("a2", [1, 2, 3, 4, 5]))
     assert num_tokens == 4 and tier.num_restored == 2
+    tier.flush()
     for hit, original in zip(hits, a_blocks[:2], strict=True):
         assert torch.equal(cache[:, hit.block_id], torch.full((2, 2, 1, 1), float(original)))
     kv.block_pool.check_invariants()
+
+
+def test_batched_copies_across_rounds_and_layer_layouts(monkeypatch):
+    # Two layers of different dtypes and shapes; a staging buffer of 3 blocks, so 7 stores and 7
+    # restores take several rounds; stores fill adjacent host blocks (one copy per run), restores
+    # come in reverse order (one copy per block).
+    g = torch.Generator().manual_seed(0)
+    caches = [
+        torch.randn(2, 10, 4, 2, 8, generator=g),
+        torch.randn(2, 10, 4, 1, 4, generator=g).half(),
+    ]
+    bytes_per_block = sum(c[:, 0].numel() * c.element_size() for c in caches)
+    monkeypatch.setattr(HostKVTier, "STAGING_BYTES", 3 * bytes_per_block)
+    tier = HostKVTier(caches, num_host_blocks=12)
+    assert len(tier._staging) == 3
+    assert list(_runs([0, 1, 2, 5, 4, 5])) == [(0, 3, 0), (3, 4, 5), (4, 6, 4)]
+    original = [c.clone() for c in caches]
+    sources = [9, 0, 3, 4, 5, 7, 1]
+    for i, block in enumerate(sources):
+        tier.store(("h", i), None, (i,), block)
+    tier.flush()
+    for c in caches:
+        c.zero_()
+    targets = [2, 8, 6, 0, 1, 3, 5]
+    for i, block in reversed(list(enumerate(targets))):
+        assert tier.restore(("h", i), None, (i,), block)
+    tier.flush()
+    for c, o in zip(caches, original, strict=True):
+        for source, target in zip(sources, targets, strict=True):
+            assert torch.equal(c[:, target], o[:, source])
+        assert not c[:, [4, 7, 9]].any()  # blocks nothing was restored into stay untouched
 
 
 def test_prefix_from_the_host_tier_equals_a_fresh_run(tiny_llama_dir):
