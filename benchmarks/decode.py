@@ -188,7 +188,8 @@ def bench_libkk(
 
 def profile_decode(session, ids: list[list[int]], tokens: int) -> None:
     """Where a decode step's time goes: the top kernels by GPU time and the top host-side ops,
-    per step, from torch.profiler over one generate call (prefill included, amortized)."""
+    per step, from torch.profiler over one generate call (prefill included, amortized), then the
+    top Python functions by own time from cProfile over another."""
     from torch.profiler import ProfilerActivity, profile
 
     from libkk import SamplingParams
@@ -205,6 +206,13 @@ def profile_decode(session, ids: list[list[int]], tokens: int) -> None:
     print(f"profile: {wall:.2f} ms wall per step (profiler on), {gpu:.2f} ms GPU busy per step")
     print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    # The host's Python side of the same call: where a step's time goes outside torch ops.
+    import cProfile
+    import pstats
+
+    py = cProfile.Profile()
+    py.runcall(session.generate, ids, params)
+    pstats.Stats(py).sort_stats("tottime").print_stats(20)
 
 
 def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:

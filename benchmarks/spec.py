@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import SHAPES, prompts, write_checkpoint  # noqa: E402
+from decode import SHAPES, profile_decode, prompts, write_checkpoint  # noqa: E402
 
 K = 7
 ACCEPTANCE_LENGTHS = (2.0, 3.5, 5.0)
@@ -65,7 +65,9 @@ class RepeatAnchor:
         pass
 
 
-def run(path: Path, ids: list[list[int]], tokens: int, repeats: int, device: str, **spec) -> dict:
+def run(
+    path: Path, ids: list[list[int]], tokens: int, repeats: int, device: str, profile: bool, **spec
+) -> dict:
     from libkk import SamplingParams, Session
 
     batch, prompt = len(ids), len(ids[0])
@@ -90,6 +92,8 @@ def run(path: Path, ids: list[list[int]], tokens: int, repeats: int, device: str
             decode = max(o.timeline.decode_time for o in outs)
             tok_s.append(batch * tokens / decode)
         after = s.stats()
+        if profile:
+            profile_decode(s, ids, tokens)
     row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)]}
     if "spec_num_verify_steps" in after:
         steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
@@ -110,6 +114,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny shape")
     ap.add_argument("--lengths", type=float, nargs="+", default=list(ACCEPTANCE_LENGTHS))
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
+    ap.add_argument("--profile", action="store_true", help="profile each case (decode.py's)")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -137,7 +142,7 @@ def main() -> None:
         base = None
         for name, workload, spec in cases:
             row = {"batch": batch, "case": name}
-            row |= run(path, workload, args.tokens, args.repeats, args.device, **spec)
+            row |= run(path, workload, args.tokens, args.repeats, args.device, args.profile, **spec)
             if name == "none":
                 base = row["tok_s"]
             row["speedup"] = row["tok_s"] / base if base else None
