@@ -61,8 +61,18 @@ class CacheConfig(msgspec.Struct, **_STRUCT):
     # Host RAM for a CPU tier of the KV cache: prefix blocks evicted from the device pool are kept
     # there and copied back on a later hit instead of recomputed. None: no tier.
     kv_offload_bytes: PositiveInt | None = None
-    # "auto": the model dtype; "fp8": float8_e4m3fn with k/v scales 1.0 (half of bf16's bytes).
+    # "auto": the model dtype; "fp8": float8_e4m3fn (half of bf16's bytes) with one k and one v
+    # scale per layer: the checkpoint's k_scale/v_scale if it has them, else 1.0.
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # FP8 caches only: each layer sets its scales from the first prefill it stores
+    # (amax(|k|) / 448, likewise for v), replacing 1.0 or the checkpoint's, then keeps them.
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self) -> None:
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError(
+                "calculate_kv_scales needs kv_cache_dtype='fp8' (other caches have no scales)"
+            )
 
 
 class SchedulerConfig(msgspec.Struct, **_STRUCT):
