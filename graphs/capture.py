@@ -1,11 +1,16 @@
-"""FULL CUDA graphs of the model forward for uniform decode batches.
+"""FULL CUDA graphs of the model forward for decode and verification batches.
 
-A uniform batch has the same number of new tokens q in every request: one for plain decode, 1 + K
-when every request verifies K drafts. A batch of n requests is padded to the smallest capture size
->= n (a precomputed table) and replayed from static input buffers. Padded requests have q tokens
-that live in the null block: their K/V writes are skipped and their outputs ignored. All graphs share one memory pool and are captured largest first, so smaller ones
-reuse the larger ones' memory; the static buffers and each graph's output stay referenced for the
-graphs' life.
+One graph is captured per (query length Q, batch size): Q = 1 for plain decode, 1 + K to verify K
+drafts. A batch of n requests runs in the smallest captured Q that holds its longest request and
+the smallest capture size >= n (a precomputed table), replayed from static input buffers:
+- padded requests have Q tokens that live in the null block: their K/V writes are skipped and
+  their outputs ignored;
+- a request with fewer than Q tokens (fewer drafts than K, or a decode row beside verifying rows)
+  gets its rows at the head of its Q slots and padding rows after them, which write to the null
+  slot and extend its sequence by the missing positions; causal masking keeps its real rows from
+  seeing them, so they are exact, and only the real rows are returned.
+All graphs share one memory pool and are captured largest first, so smaller ones reuse the larger
+ones' memory; the static buffers and each graph's output stay referenced for the graphs' life.
 """
 
 from __future__ import annotations
@@ -119,37 +124,73 @@ class DecodeGraphs:
             self.graphs[q, size] = graph
         torch.cuda.synchronize()
 
+    def graph_query_len(self, max_query_len: int) -> int | None:
+        """The smallest captured query length >= max_query_len (None: none is)."""
+        return next((q for q in self.query_lens if q >= max_query_len), None)
+
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        q = metadata.max_query_len
-        return (
-            bool(self.graphs)
-            and q in self.query_lens
-            and num_tokens == metadata.num_reqs * q  # every request has q tokens
-            and metadata.num_reqs <= self.max_size
-            and metadata.block_table.shape[1] <= self.block_table.shape[1]
+        q = self.graph_query_len(metadata.max_query_len)
+        n = metadata.num_reqs
+        if (
+            not self.graphs
+            or q is None
+            or n > self.max_size
+            or metadata.block_table.shape[1] > self.block_table.shape[1]
+        ):
+            return False
+        if num_tokens == n * q:
+            return True
+        # Ragged: padding rows extend each short request's sequence; it must fit the block table.
+        capacity = self.block_table.shape[1] * self.block_size
+        starts = metadata.query_start_loc_cpu
+        return all(
+            seq_len + q - (starts[i + 1] - starts[i]) <= capacity
+            for i, seq_len in enumerate(metadata.seq_lens_cpu)
         )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [num_tokens, hidden], the stash's rows or None) of the replayed graph."""
-        n, q = metadata.num_reqs, metadata.max_query_len
+        n = metadata.num_reqs
+        q = self.graph_query_len(metadata.max_query_len)
+        assert q is not None
         size = self.pad_to[n]
-        t = n * q
+        t = input_ids.shape[0]
         self._layout(q)
-        self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(metadata.slot_mapping)
-        self.seq_lens[:n].copy_(metadata.seq_lens)
+        rows: torch.Tensor | None = None  # the real rows' places in a ragged batch
+        if t == n * q:
+            self.input_ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(positions)
+            self.slot_mapping[:t].copy_(metadata.slot_mapping)
+            self.seq_lens[:n].copy_(metadata.seq_lens)
+        else:
+            starts = metadata.query_start_loc_cpu
+            lens = [starts[i + 1] - starts[i] for i in range(n)]
+            rows = torch.tensor(
+                [i * q + j for i, num in enumerate(lens) for j in range(num)],
+                device=self.input_ids.device,
+            )
+            for buffer, real in (
+                (self.input_ids, input_ids),
+                (self.positions, positions),
+                (self.slot_mapping, metadata.slot_mapping),
+            ):
+                buffer[: n * q].zero_()  # padding rows: token 0 at position 0, the null slot
+                buffer.index_copy_(0, rows, real)
+            padded_lens = [s + q - num for s, num in zip(metadata.seq_lens_cpu, lens, strict=True)]
+            self.seq_lens[:n].copy_(torch.tensor(padded_lens, dtype=torch.int32))
         width = metadata.block_table.shape[1]
-        # Columns past `width` may hold older tables; the kernels read only blocks < seq_len.
+        # Columns past `width` may hold older tables; real rows read only blocks < their seq_len.
         self.block_table[:n, :width].copy_(metadata.block_table)
         if size > n:  # rows a previous, larger batch used: back to padding
-            self.input_ids[t : size * q].zero_()
-            self.positions[t : size * q].zero_()
-            self.slot_mapping[t : size * q].zero_()
+            self.input_ids[n * q : size * q].zero_()
+            self.positions[n * q : size * q].zero_()
+            self.slot_mapping[n * q : size * q].zero_()
             self.seq_lens[n:size].fill_(q)
             self.block_table[n:size, 0].zero_()
         self.graphs[q, size].replay()
-        stashed = self.stashed[q, size]
-        return self.outputs[q, size][:t], None if stashed is None else stashed[:t]
+        hidden, stashed = self.outputs[q, size], self.stashed[q, size]
+        if rows is None:
+            return hidden[:t], None if stashed is None else stashed[:t]
+        return hidden[rows], None if stashed is None else stashed[rows]

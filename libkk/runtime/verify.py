@@ -33,7 +33,6 @@ def verify(
     """Per request: the accepted drafts then one target token, with their logprobs (None where
     the request asked for none)."""
     device = logits[0].device
-    num_reqs = len(requests)
     k = max(r.num_spec_tokens for r in requests)
     vocab = logits[0].shape[-1]
     rows: list[list[SamplingRow]] = []
@@ -43,15 +42,17 @@ def verify(
     flat_rows = [row for per in rows for row in per]
     processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
 
-    target = torch.zeros(num_reqs, k + 1, vocab, dtype=torch.float32, device=device)
-    drafts = torch.zeros(num_reqs, k, dtype=torch.int64)
-    num_draft = torch.tensor([r.num_spec_tokens for r in requests], dtype=torch.int64)
-    offset = 0
-    for i, r in enumerate(requests):
+    # Request i's row j (j <= its n drafts) sits at processed[offset_i + j]; rows past n repeat
+    # its last row (masked off by num_draft). One gather, no per-request copies.
+    index, drafts_l, offset = [], [], 0
+    for r in requests:
         n = r.num_spec_tokens
-        target[i, : n + 1] = processed[offset : offset + n + 1]
-        drafts[i, :n] = torch.tensor(r.spec_token_ids, dtype=torch.int64)
+        index.append([offset + min(j, n) for j in range(k + 1)])
+        drafts_l.append([*r.spec_token_ids[:n], *([0] * (k - n))])
         offset += n + 1
+    target = processed[torch.tensor(index, device=device)]  # [R, K+1, V]
+    drafts = torch.tensor(drafts_l, dtype=torch.int64)
+    num_draft = torch.tensor([r.num_spec_tokens for r in requests], dtype=torch.int64)
     drafts, num_draft = drafts.to(device), num_draft.to(device)
     greedy = [r.sampling.params.greedy for r in requests]  # type: ignore[union-attr]
     temperatures = torch.tensor([0.0 if g else 1.0 for g in greedy], device=device)
@@ -161,9 +162,11 @@ def _synthetic(
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
     rows = torch.arange(num_rows, device=device)
     final_logits = target[rows, num_accepted]  # [R, V]
-    sampled = gumbel_argmax(final_logits, seeds, positions + num_accepted)
-    is_greedy = torch.tensor(greedy, device=device)
-    final = torch.where(is_greedy, final_logits.argmax(dim=-1), sampled)
+    final = final_logits.argmax(dim=-1)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    if random_rows:  # keyed noise only where a row samples
+        idx = torch.tensor(random_rows, device=device)
+        final[idx] = gumbel_argmax(final_logits[idx], seeds[idx], (positions + num_accepted)[idx])
     out = torch.full((num_rows, k1), -1, dtype=torch.int64, device=device)
     out[:, :k] = torch.where(steps[None, :] < num_accepted[:, None], drafts, -1)
     out[rows, num_accepted] = final

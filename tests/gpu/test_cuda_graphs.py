@@ -73,10 +73,11 @@ def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("q", [1, 4])
-def test_uniform_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
-    """Graphs for batches where every request runs q tokens (1 + K when verifying K drafts):
-    replay gives the hidden states of the eager forward over the same metadata, and the stash
-    (hidden states a drafter reads) comes back from its graph too."""
+def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
+    """Graphs for batches where requests run up to q tokens (1 + K when verifying K drafts):
+    replay gives the hidden states of the eager forward over the same metadata, uniform or
+    ragged (padded per request), and the stash (hidden states a drafter reads) comes back from
+    its graph too."""
     from libkk.graphs.capture import DecodeGraphs
 
     from libkk import Session
@@ -117,4 +118,33 @@ def test_uniform_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
                 hidden, stashed = graphs.run(ids, pos, meta)
             torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(stashed, 2 * eager, rtol=1e-5, atol=1e-5)
-        assert not graphs.can_run(meta, n * q - 1)  # not uniform: eager
+        # Ragged: requests with 1 .. q tokens run in the q graph, padded per request.
+        lens = [1 + i % q for i in range(5)]
+        n = len(lens)
+        g = torch.Generator().manual_seed(99)
+        ids = torch.randint(2, 2048, (sum(lens),), generator=g).cuda()
+        pos = torch.cat([5 + torch.arange(num) for num in lens]).cuda()
+        blocks = torch.arange(1, n + 1, dtype=torch.int32).cuda()
+        starts = [0]
+        for num in lens:
+            starts.append(starts[-1] + num)
+        meta = AttentionMetadata(
+            slot_mapping=(blocks.long().repeat_interleave(torch.tensor(lens).cuda()) * bs + pos),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).cuda(),
+            seq_lens=torch.tensor([5 + num for num in lens], dtype=torch.int32).cuda(),
+            block_table=blocks[:, None].contiguous(),
+            block_size=bs, max_query_len=max(lens), max_seq_len=5 + max(lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=[5 + num for num in lens],
+        )  # fmt: skip
+        assert graphs.can_run(meta, sum(lens)) == (q > 1 or lens == [1] * n)
+        if q > 1:
+            with torch.inference_mode():
+                with set_forward_context(meta):
+                    eager = model.forward(ids, pos).clone()
+                hidden, stashed = graphs.run(ids, pos, meta)
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(stashed, 2 * eager, rtol=1e-5, atol=1e-5)
+            # Padding a short request past the block table's reach is refused (eager instead).
+            full = 4 * bs
+            meta.seq_lens_cpu = [full] * n
+            assert not graphs.can_run(meta, sum(lens))

@@ -114,3 +114,24 @@ def test_synthetic_accepts_at_configured_rates(rates):
     assert again == results[:50]
     # The token after the accepted run is the target's argmax (zeros: token 0).
     assert all(t[-1] == 0 for t, _ in results)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_synthetic_final_token_is_the_plain_samplers_in_ragged_mixed_batches(rate):
+    """Requests with different draft counts, greedy and random side by side: the token after
+    the accepted run (none at rate 0, all at rate 1) is what the plain sampler draws at that row."""
+    g = torch.Generator().manual_seed(3)
+    sampler = Sampler()
+    reqs, logits = [], []
+    for i, n in enumerate([1, 3, 2, 3, 1, 2]):
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i)
+        reqs.append(_request(f"r{i}", list(range(4, 4 + n)), params, seed=100 + i, position=30))
+        logits.append(torch.randn(n + 1, VOCAB, generator=g))
+    results = verify(logits, reqs, synthetic_rates=[rate])
+    for r, x, (tokens, _) in zip(reqs, logits, results, strict=True):
+        n = r.num_spec_tokens
+        accepted = n if rate == 1.0 else 0
+        assert tokens[:-1] == r.spec_token_ids[:accepted]
+        row = position_rows(r.sampling, r.spec_token_ids, n + 1)[accepted]
+        expected = sampler(x[accepted : accepted + 1], [row]).token_ids[0]
+        assert tokens[-1] == expected
