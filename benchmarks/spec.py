@@ -13,6 +13,9 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
   reported as measured.
 
 Decode tok/s = requests * tokens / the slowest request's decode time (first token to last).
+The floor for a speculative row is its measured acceptance length * requests per weight read:
+a verification step reads the weights at least once (weight bytes / measured copy bandwidth).
+`--peer` adds Hugging Face transformers' plain greedy decode at each batch (decode.py's).
 
     python benchmarks/spec.py --batch 1 8 32 [--shape qwen3-8b] [--out spec.json]
 """
@@ -29,7 +32,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import SHAPES, profile_decode, prompts, write_checkpoint  # noqa: E402
+from decode import (  # noqa: E402
+    SHAPES,
+    bench_transformers,
+    copy_bandwidth,
+    profile_decode,
+    prompts,
+    write_checkpoint,
+)
 
 K = 7
 ACCEPTANCE_LENGTHS = (2.0, 3.5, 5.0)
@@ -94,7 +104,9 @@ def run(
         after = s.stats()
         if profile:
             profile_decode(s, ids, tokens)
+        weights = s.engine.weights_bytes
     row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)]}
+    row["weights_bytes"] = weights
     if "spec_num_verify_steps" in after:
         steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
         accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
@@ -115,6 +127,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=float, nargs="+", default=list(ACCEPTANCE_LENGTHS))
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
     ap.add_argument("--profile", action="store_true", help="profile each case (decode.py's)")
+    ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -122,6 +135,7 @@ def main() -> None:
     write_checkpoint(args.shape, path, args.device)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}", flush=True)
     vocab = SHAPES[args.shape]["vocab_size"]
+    bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
     rows = []
     for batch in args.batch:
         ids = prompts(batch, args.prompt, vocab)
@@ -146,19 +160,33 @@ def main() -> None:
             if name == "none":
                 base = row["tok_s"]
             row["speedup"] = row["tok_s"] / base if base else None
+            if bandwidth:
+                per_read = row.get("acceptance_length", 1.0) * batch
+                row["floor_tok_s"] = per_read * bandwidth / row["weights_bytes"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        if args.peer:
+            ms = bench_transformers(path, batch, args.prompt, args.tokens, args.repeats)
+            tok_s = [batch * 1e3 / t for t in ms["ms_per_step"]]
+            row = {"batch": batch, "case": "transformers (none)", "speedup": None}
+            row |= {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
     print(
         f"\n{args.shape} decode with speculation, K={K}, prompt {args.prompt}, {args.tokens} tokens"
     )
-    print(f"{'batch':>6}  {'case':<20}{'tok/s':>10}{'speedup':>9}{'acc. len':>10}")
+    print(f"{'batch':>6}  {'case':<20}{'tok/s':>10}{'spread':>18}{'speedup':>9}{'acc. len':>10}"
+          f"{'floor tok/s':>13}")  # fmt: skip
     for r in rows:
         acc = r.get("acceptance_length")
+        spread = f"{r['spread'][0]:.0f}-{r['spread'][1]:.0f}"
         print(
-            f"{r['batch']:>6}  {r['case']:<20}{r['tok_s']:>10.1f}{r['speedup'] or 0:>9.2f}"
-            f"{acc if acc is not None else float('nan'):>10.2f}"
+            f"{r['batch']:>6}  {r['case']:<20}{r['tok_s']:>10.1f}{spread:>18}"
+            f"{r['speedup'] or 0:>9.2f}{acc if acc is not None else float('nan'):>10.2f}"
+            f"{r.get('floor_tok_s', float('nan')):>13.0f}"
         )
     Path(args.out).write_text(json.dumps({"shape": args.shape, "k": K, "rows": rows}, indent=2))
 
