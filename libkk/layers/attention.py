@@ -3,12 +3,17 @@
 The layer writes the step's new K/V into its paged cache by slot mapping, then attends each
 request's queries over its whole context (cached + new, causal within the new tokens, GQA). The
 backend is chosen once per process; the torch reference runs anywhere and is the CPU path.
+
+FP8 (e4m3) caches hold k / k_scale and v / v_scale, saturated at +-448, and reads multiply back.
+Each layer owns its [1] fp32 k_scale / v_scale (1.0 unless a checkpoint brings them or the layer
+calibrates them from the first prefill it stores); other cache dtypes ignore the scales.
 """
 
 from __future__ import annotations
 
 import abc
 import itertools
+import math
 import weakref
 
 import torch
@@ -35,6 +40,8 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] fp32, FP8 caches only; None: 1.0
+        v_scale: torch.Tensor | None = None,  # [1] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -42,16 +49,44 @@ class AttentionBackend(abc.ABC):
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x / scale in float8_e4m3fn, saturated at +-448 (e4m3fn has no inf: overflow would be NaN).
+
+    Divides in fp32, as the Triton store does, so both write the same bytes.
+    """
+    x = x.float() if scale is None else x.float() / scale.float()
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values (any dtype) back to `dtype`; FP8 values are multiplied by their scale."""
+    if not is_fp8(x) or scale is None:
+        return x.to(dtype)
+    return (x.float() * scale.float()).to(dtype)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """Writes new keys/values into the paged cache at flat slot indices.
 
-    An FP8 cache stores values with scale 1.0, saturated at the format's range (as the Triton
-    store does); its bytes are copied through uint8 views, since CPU index ops have no fp8 kernels.
+    An FP8 cache stores k / k_scale and v / v_scale (None: 1.0), saturated at the format's range
+    as the Triton store does; its bytes are copied through uint8 views, since CPU index ops have
+    no fp8 kernels.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
+    if is_fp8(kv_cache):
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if kv_cache.element_size() == 1:
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
@@ -73,10 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
     else runs one SDPA call per request, with a causal mask over its new tokens.
     """
 
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        store_kv(k, v, kv_cache, metadata.slot_mapping)
+    def forward(self, q, k, v, kv_cache, metadata, scale, k_scale=None, v_scale=None):
+        store_kv(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1 and metadata.num_reqs > 1:
-            return self._decode(q, kv_cache, metadata, scale)
+            return self._decode(q, kv_cache, metadata, scale, k_scale, v_scale)
         block_size = metadata.block_size
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_cpu
@@ -91,12 +126,16 @@ class TorchAttentionBackend(AttentionBackend):
             mask, causal = None, query_len > 1 and query_len == seq_len
             if causal:
                 keys, values = k[q_start:q_end], v[q_start:q_end]  # [seq_len, kv_heads, dim]
+                if is_fp8(kv_cache):  # what the cache holds, as the kernels read it
+                    keys = dequantize(quantize_fp8(keys, k_scale), k_scale, q.dtype)
+                    values = dequantize(quantize_fp8(values, v_scale), v_scale, q.dtype)
             else:
                 blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
                 keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[:seq_len]
                 values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[:seq_len]
             # [num_kv_heads, seq_len, head_dim]
-            keys, values = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
+            keys = dequantize(keys, k_scale, q.dtype).transpose(0, 1)
+            values = dequantize(values, v_scale, q.dtype).transpose(0, 1)
             if query_len > 1 and not causal:
                 # Query row r sits at position seq_len - query_len + r and sees keys up to it.
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -115,7 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, metadata, scale):
+    def _decode(q, kv_cache, metadata, scale, k_scale, v_scale):
         num_reqs = metadata.num_reqs
         max_blocks = -(-metadata.max_seq_len // metadata.block_size)
         blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
@@ -123,7 +162,8 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (num_reqs, -1, *kv_cache.shape[3:])  # [num_reqs, max_len, num_kv_heads, D]
         keys = gather_blocks(kv_cache[0], blocks.flatten()).view(shape)
         values = gather_blocks(kv_cache[1], blocks.flatten()).view(shape)
-        keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
+        keys = dequantize(keys, k_scale, q.dtype).transpose(1, 2)
+        values = dequantize(values, v_scale, q.dtype).transpose(1, 2)
         # Slots past each request's length hold whatever was there (maybe NaN, and masked
         # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.
         mask = (
@@ -164,7 +204,9 @@ def attention_backend(device: torch.device) -> AttentionBackend:
 class Attention(nn.Module):
     """Multi-head / grouped-query attention over the paged KV cache of one layer.
 
-    `kv_cache` is bound by the model runner after the cache is allocated.
+    `kv_cache` is bound by the model runner after the cache is allocated. `k_scale` / `v_scale`
+    are the layer's FP8 cache scales: their storage never changes (CUDA graphs read them by
+    address), so every update fills them in place.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
@@ -178,7 +220,31 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        # Not persistent: they are no model weights (a checkpoint's scales are read by the loader).
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.calibration_pending = False
         self.layer_key = _register_layer(self)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Sets the FP8 cache scales (stored value = x / scale) in place.
+
+        Values already in an FP8 cache were stored with the old scales: set them before the cache
+        holds anything (loading, calibration), never while requests hold blocks.
+        """
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        self.k_scale.fill_(k_scale)
+        self.v_scale.fill_(v_scale)
+
+    @property
+    def kv_scales(self) -> tuple[float, float]:
+        return self.k_scale.item(), self.v_scale.item()
+
+    def calibrate_kv_scales_on_first_prefill(self) -> None:
+        """The first step that stores real tokens sets the scales from its K/V, then never again."""
+        self.calibration_pending = True
 
     def forward(
         self,
@@ -198,15 +264,52 @@ class Attention(nn.Module):
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
         metadata = get_forward_context().attn_metadata
         n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.calibration_pending:
+            self._calibrate(k, v, metadata)
         out = attention_backend(q.device).forward(
-            q.view(n, self.num_heads, self.head_dim),
-            k.view(n, self.num_kv_heads, self.head_dim),
-            v.view(n, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            metadata,
-            self.scale,
+            q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale
         )
         return out.reshape(n, self.num_heads * self.head_dim)
+
+    def _calibrate(self, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """scale = amax(|x|) / 448 over the real rows this step stores, so they span e4m3.
+
+        Runs eagerly: `attend` is called outside torch.compile (inside the opaque attention op
+        when compiled), and only FULL decode graphs, captured before any real prefill, contain
+        attention. A capture is therefore never the first real store: calibration is a no-op
+        inside one (it would need host syncs), and the graphs read the calibrated values later
+        from the same tensors.
+        """
+        if not is_fp8(self.kv_cache):  # other caches ignore scales: nothing to calibrate
+            self.calibration_pending = False
+            return
+        if k.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        # Rows in the null block (or negative) are padding: warm-up and capture runs store only
+        # those, and they must not calibrate.
+        real = metadata.slot_mapping.to(k.device) >= metadata.block_size
+        if not bool(real.any()):
+            return
+        for x, scale in ((k[real], self.k_scale), (v[real], self.v_scale)):
+            amax = x.abs().amax().float()
+            scale.copy_((amax / FP8_MAX).clamp(min=MIN_CALIBRATED_SCALE).reshape(1))
+        self.calibration_pending = False
+
+
+# Floor of a calibrated scale: an all-zero K or V of the first batch must not give scale 0.
+MIN_CALIBRATED_SCALE = torch.finfo(torch.float32).tiny
+
+
+def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:
+    """Every Attention layer of `model` calibrates its FP8 scales on its first real store
+    (`CacheConfig.calculate_kv_scales`); returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.calibrate_kv_scales_on_first_prefill()
+    return len(layers)
 
 
 # Every Attention layer of the process by key, so the compiled graph names a layer by an int. Keys

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -104,6 +106,8 @@ def load_model(
             tensors = fp8_block_dequantize_stream(tensors, dtype)
         if reader is not None:
             tensors = reader.slice_rest(tensors)
+        kv_scales: dict[int, dict[str, float]] = {}
+        tensors = _divert_kv_scales(tensors, kv_scales)
         try:
             loaded = model.load_weights(tensors)
         except CorruptCheckpointError as e:
@@ -128,8 +132,63 @@ def load_model(
             f"checkpoint in {str(model_dir)!r} lacks {len(missing)} weight(s) the model needs: "
             f"{listed}{more}{hint}"
         )
+    if kv_scales:
+        _apply_kv_scales(model, kv_scales, model_dir)
     finalize_moe_layers(model, moe)
     return model, config
+
+
+# Per-layer FP8 KV-cache scales as vLLM / ModelOpt checkpoints name them:
+# `model.layers.N.self_attn.{k,v}_scale`, `...self_attn.{k,v}_proj.{k,v}_scale`,
+# `...self_attn.attn.{k,v}_scale`, and the older `...self_attn.kv_scale` (one scale for both).
+_KV_SCALE = re.compile(
+    r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\."
+    r"(?:(?:k_proj|v_proj|attn)\.)?(?P<which>k|v|kv)_scale$"
+)
+
+
+def _divert_kv_scales(
+    tensors: Iterator[tuple[str, torch.Tensor]], into: dict[int, dict[str, float]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes tensors through, except KV-cache scales: those go to `into[layer]["k" / "v"]`."""
+    for name, tensor in tensors:
+        m = _KV_SCALE.search(name)
+        if m is None:
+            yield name, tensor
+            continue
+        if tensor.numel() != 1:
+            raise UnsupportedModelError(
+                f"KV-cache scale {name!r} has shape {tuple(tensor.shape)}: only one scale per "
+                "tensor (per layer) is supported"
+            )
+        value = float(tensor.float().item())
+        if not (math.isfinite(value) and value > 0.0):
+            raise CorruptCheckpointError(
+                f"KV-cache scale {name!r} is {value!r}: it must be finite and positive"
+            )
+        layer = into.setdefault(int(m["layer"]), {})
+        for which in ("k", "v") if m["which"] == "kv" else (m["which"],):
+            layer[which] = value
+
+
+def _apply_kv_scales(
+    model: nn.Module, scales: dict[int, dict[str, float]], model_dir: Path
+) -> None:
+    """Sets each attention layer's FP8 cache scales from the checkpoint (1.0 where absent)."""
+    layers = model.attention_layers()
+    beyond = sorted(i for i in scales if i >= len(layers))
+    if beyond:
+        raise CorruptCheckpointError(
+            f"checkpoint in {str(model_dir)!r} has KV-cache scales for layer(s) {beyond}, but "
+            f"the model has {len(layers)} attention layers"
+        )
+    for i, found in scales.items():
+        layers[i].set_kv_scales(found.get("k", 1.0), found.get("v", 1.0))
+    logger.info(
+        "KV-cache scales for %d of %d layers from the checkpoint (used by FP8 caches)",
+        len(scales),
+        len(layers),
+    )
 
 
 def _read_quant_config(model_dir: Path) -> dict | None:

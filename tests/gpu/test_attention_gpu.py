@@ -104,15 +104,12 @@ def test_decode_graph_replays_at_other_lengths():
 
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 def test_triton_backend_matches_torch_backend(cache):
+    """Both backends store with the layer's scales and read them back the same way."""
     b = _batch("mixed", cache, seed=4)
     meta = b.metadata()
-    triton_be = TritonAttentionBackend()
-    triton_be.set_kv_scales(*SCALES[cache])
     cache_torch = b.kv_cache.clone()
-    got = triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
-    if cache == "fp8":
-        # The torch backend has no scales: compare against the reference over the same cache.
-        want = paged_attention_ref(*b.attention_args())
-    else:
-        want = TorchAttentionBackend().forward(b.q, b.k, b.v, cache_torch, meta, b.scale)
+    scales = (b.k_scale, b.v_scale)
+    got = TritonAttentionBackend().forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale, *scales)
+    want = TorchAttentionBackend().forward(b.q, b.k, b.v, cache_torch, meta, b.scale, *scales)
+    assert torch.equal(b.kv_cache.view(torch.uint8), cache_torch.view(torch.uint8))
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)

@@ -216,14 +216,38 @@ def test_triton_backend_matches_torch_backend_over_steps():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_kv_scales_update_in_place():
+def test_triton_backend_reads_the_scales_it_is_given():
+    """Per-layer scale tensors reach the ops; without them the backend uses 1.0."""
+    b = _batch("mixed", "gqa2", torch.float32, seed=8, cache_dtype=FP8_DTYPE, k_scale=0.05,
+               v_scale=0.2)  # fmt: skip
+    # The reference store writes both caches: the interpreter's FP8 store rounds differently.
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args())
+    n = b.num_real_tokens
+    got = paged_attention(*b.attention_args())
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
     backend = TritonAttentionBackend()
-    k_scale, v_scale = backend.scale_tensors(torch.device(DEVICE))
-    assert backend.kv_scales == (1.0, 1.0) and k_scale.item() == 1.0
-    backend.set_kv_scales(0.5, 2.0)
-    assert backend.scale_tensors(torch.device(DEVICE)) == (k_scale, v_scale)
-    assert (k_scale.item(), v_scale.item()) == (0.5, 2.0)
-    with pytest.raises(ValueError, match="k_scale"):
-        backend.set_kv_scales(0.0, 1.0)
-    with pytest.raises(ValueError, match="v_scale"):
-        backend.set_kv_scales(1.0, float("nan"))
+    one_k, one_v = backend.unit_scales(torch.device(DEVICE))
+    assert backend.unit_scales(torch.device(DEVICE)) == (one_k, one_v)
+    assert (one_k.item(), one_v.item()) == (1.0, 1.0) and one_k is not one_v
+    unscaled = paged_attention(*b.attention_args()[:6], one_k, one_v, b.max_query_len)
+    assert not torch.allclose(unscaled[:n], want[:n], atol=1e-2)
+
+
+@pytest.mark.parametrize("batch", ["prefill", "prefix-hit", "decode", "mixed"])
+def test_fp8_torch_backend_means_what_the_kernels_mean(batch):
+    """The torch backend stores k / k_scale and v / v_scale in e4m3 and multiplies back on read:
+    the Triton kernels reading the cache it wrote give its outputs (scales != 1, some keys
+    saturate)."""
+    b = _batch(batch, "gqa4", torch.float32, seed=9, cache_dtype=FP8_DTYPE, k_scale=0.05,
+               v_scale=0.2)  # fmt: skip
+    k = b.k * 20  # |k / 0.05| > 448 for some keys: both stores saturate
+    want = b.kv_cache.clone()
+    store_kv_ref(k, b.v, want, b.slot_mapping, b.k_scale, b.v_scale)
+    got = TorchAttentionBackend().forward(
+        b.q, k, b.v, b.kv_cache, b.metadata(), b.scale, b.k_scale, b.v_scale
+    )
+    assert torch.equal(b.kv_cache.view(torch.uint8), want.view(torch.uint8))
+    n = b.num_real_tokens
+    kernel = paged_attention(*b.attention_args())
+    torch.testing.assert_close(got[:n], kernel[:n], atol=2e-5, rtol=2e-5)
