@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from libkk.kernels.sampling import gumbel_argmax as fused_gumbel_argmax
+
 # The draft stream adds this to positions so a draft never shares noise with the target at the
 # same position (positions stay far below it).
 DRAFT_POSITION_SALT = 2**30
@@ -152,7 +154,18 @@ def gumbel_noise(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
 def gumbel_argmax(logits: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """argmax(logits + gumbel_noise(seeds, positions, V)) per row, ties to the lowest id.  # [R]
 
-    A sample from softmax(logits); -inf logits are never chosen (unless a row is all -inf).
+    A sample from softmax(logits); -inf logits are never chosen (unless a row is all -inf: then
+    token 0). CUDA logits go through the fused kernel (libkk.kernels.sampling: hash, noise and
+    argmax in one pass over the logits), others through the torch reference.
+    """
+    if logits.is_cuda:
+        return fused_gumbel_argmax(logits, seeds, positions)
+    return gumbel_argmax_ref(logits, seeds, positions)
+
+
+def gumbel_argmax_ref(logits: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """Torch reference of gumbel_argmax (any device).  # [R]
+
     Same result as materializing the noise, computed block by block without the [R, V] copy.
     """
     num_rows, vocab_size = logits.shape
