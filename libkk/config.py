@@ -87,6 +87,10 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     # Share of step time prefill gets while prefill and decode contend (0 < s < 1 or "auto");
     # None: every step takes decodes first, then fills the budget with prefill chunks.
     prefill_compute_share: float | Literal["auto"] | None = None
+    # Launch step k before step k-1's sampled tokens reach the host, then finish step k-1
+    # (append tokens, stop checks, detokenize) while the device runs step k. Same tokens as
+    # synchronous mode; a request's outputs may come back one step() call later.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         s = self.prefill_compute_share
@@ -214,6 +218,10 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
     # Show progress bars for loading and conversion (stderr).
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling:
+            _check_async_scheduling(self)
+
     @classmethod
     def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:
         """Builds a config from flat keywords and/or whole sections; validates everything."""
@@ -275,6 +283,25 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
 
     def config_hash(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+
+def _check_async_scheduling(config: EngineConfig) -> None:
+    """Settings that read sampled token values on the host before the next step can launch."""
+    if config.speculative.method is not None:
+        raise ValueError(
+            f"async_scheduling does not support speculative decoding yet (method="
+            f"{config.speculative.method!r}): proposers need the sampled tokens on the host"
+        )
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            f"async_scheduling does not support tensor_parallel_size > 1 yet (got "
+            f"{config.parallel.tensor_parallel_size})"
+        )
+    if config.model.shared_host_tables:
+        raise ValueError(
+            "async_scheduling does not support shared_host_tables: its embedding rows are "
+            "gathered on the host from token ids the host does not have yet"
+        )
 
 
 _SECTIONS = {

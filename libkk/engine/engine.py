@@ -5,6 +5,7 @@ Not thread-safe by itself: the Session serializes calls into it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -34,7 +35,7 @@ from libkk.layers.moe import FusedMoE
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
 from libkk.models.tokenizer import Tokenizer
-from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.spec import make_proposer
@@ -57,6 +58,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A launched step of async scheduling, until its tokens are appended."""
+
+    sched_out: SchedulerOutput
+    launched: LaunchedStep
+    sampled: dict[str, Request]  # the requests that sample in it, as launched
+    start: float  # perf_counter at launch
+
+    def live_requests(self, live: dict[str, Request]) -> list[Request]:
+        """Its sampling requests that are still unfinished (the same objects)."""
+        return [r for rid, r in self.sampled.items() if live.get(rid) is r]
 
 
 class Engine:
@@ -183,6 +198,8 @@ class Engine:
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
         self.num_steps = 0
+        # Async scheduling: the launched step whose tokens are not yet on the host.
+        self._in_flight: InFlightStep | None = None
 
     def _make_host_tier(
         self, kv_caches: list[torch.Tensor], bytes_per_block: int
@@ -361,6 +378,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns an output for every request that advanced."""
+        if self.config.scheduler.async_scheduling:
+            return self._step_async()
         self._log_stalls()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
@@ -387,6 +406,88 @@ class Engine:
             outputs.append(self._process_tokens(request))
         if self.proposer is not None:
             self._propose(sched_out, runner_out, updated)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launches this step, then finishes the previous one while the device runs this one.
+
+        The outputs returned are those of the previous launched step (a request's tokens come
+        back one step() call later than in synchronous mode). A request whose next sampling
+        reads token values (penalties, min_tokens) waits for its in-flight token first, as does
+        a call with nothing new to launch, so the last step is always finished.
+        """
+        self._log_stalls()
+        outputs: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(
+            r.reads_token_values() for r in previous.live_requests(self.scheduler.requests)
+        ):
+            outputs += self._finish_launched(previous)
+            previous = None
+        sched_out = self.scheduler.schedule()
+        if sched_out.empty:
+            if previous is not None:
+                outputs += self._finish_launched(previous)
+            return outputs
+        self.num_steps += 1
+        if self.host_tier is not None:
+            self.host_tier.flush()  # the forward runs after this step's tier copies
+        try:
+            self._in_flight = self._launch(sched_out)
+        except TensorParallelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
+            logger.warning(
+                "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e
+            )
+            if previous is not None:
+                outputs += self._finish_launched(previous)
+            return outputs + self._launch_isolated(sched_out)
+        if previous is not None:
+            outputs += self._finish_launched(previous)
+        return outputs
+
+    def _launch(self, sched_out: SchedulerOutput) -> InFlightStep:
+        start = time.perf_counter()
+        launched = self.runner.launch(sched_out)
+        self.scheduler.after_launch(sched_out)
+        live = self.scheduler.requests
+        sampled = {rid: live[rid] for rid in launched.request_ids}
+        return InFlightStep(sched_out, launched, sampled, start)
+
+    def _finish_launched(self, step: InFlightStep) -> list[RequestOutput]:
+        runner_out = step.launched.wait()
+        elapsed = time.perf_counter() - step.start
+        updated = self.scheduler.resolve(step.sampled, runner_out, step.sched_out, elapsed)
+        return [self._process_tokens(request) for request in updated]
+
+    def _launch_isolated(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """After a failed launch (and with the previous step finished): each request alone,
+        finished at once; one that fails again ends with an error."""
+        outputs: list[RequestOutput] = []
+        for scheduled in sched_out.requests:
+            rid = scheduled.request_id
+            request = self.scheduler.requests.get(rid)
+            if request is None:
+                continue  # finished by the previous step
+            if scheduled.last_token_in_flight:  # known now
+                start, n = scheduled.num_computed_tokens, scheduled.num_new_tokens
+                scheduled = dataclasses.replace(
+                    scheduled,
+                    token_ids=request.all_token_ids[start : start + n],
+                    last_token_in_flight=False,
+                )
+            single = SchedulerOutput(requests=[scheduled], kind=sched_out.kind)
+            try:
+                step = self._launch(single)
+            except Exception as e:  # noqa: BLE001
+                logger.error("request %s failed: %s: %s", rid, type(e).__name__, e)
+                request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                if request is not None:
+                    request.error = f"{type(e).__name__}: {e}"
+                    outputs.append(self._make_output(request))
+                continue
+            outputs += self._finish_launched(step)
         return outputs
 
     def _drop_draft_state(self, request_id: str) -> None:

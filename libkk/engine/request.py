@@ -7,6 +7,10 @@ recompute after preemption are all just different gaps between the two.
 Speculative drafts are owed too, but kept apart: `spec_token_ids` are proposed tokens that follow
 `all_token_ids` and are scheduled with the next decode. They never enter `all_token_ids` (the KV
 cache hashes and caches only known tokens); verification appends the accepted ones as output.
+
+With async scheduling a step may be scheduled before the previous step's token reaches the host:
+`num_pending_tokens` counts such in-flight tokens. They count in `num_tokens` (the scheduler needs
+only counts) but never enter `all_token_ids` or `output_token_ids` until they are known.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Sampled by a launched step, not yet known on the host (async scheduling; 0 or 1).
+        self.num_pending_tokens = 0
         # Drafts to verify at the next decode, and their raw draft logits [n, vocab] (None:
         # one-hot drafts).
         self.spec_token_ids: list[int] = []
@@ -91,7 +97,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        """Known tokens plus in-flight ones."""
+        return len(self._all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,7 +115,28 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_owed_tokens == 1 and self.num_output_tokens > 0
+        return self.num_owed_tokens == 1 and self.num_output_tokens + self.num_pending_tokens > 0
+
+    @property
+    def reaches_length_in_flight(self) -> bool:
+        """Its in-flight tokens take it to max_tokens: it finishes when they arrive and must not
+        be scheduled again."""
+        return (
+            self.num_pending_tokens > 0
+            and self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
+        )
+
+    def reads_token_values(self) -> bool:
+        """Whether sampling its next token reads earlier token values or needs the exact output
+        count at sampling time (penalties, min_tokens bans): async scheduling then waits for its
+        in-flight token before scheduling it."""
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or self.num_output_tokens + self.num_pending_tokens < p.min_tokens
+        )
 
     @property
     def finished(self) -> bool:
@@ -116,7 +144,7 @@ class Request:
 
     def banned_token_ids(self) -> frozenset[int]:
         """Tokens that may not be sampled yet: the stop tokens while under min_tokens."""
-        if self.num_output_tokens < self.params.min_tokens:
+        if self.num_output_tokens + self.num_pending_tokens < self.params.min_tokens:
             return self.eos_token_ids | self.stop_token_ids
         return frozenset()
 

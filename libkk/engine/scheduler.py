@@ -17,6 +17,11 @@ the drafts trimmed to the step's budget and to what max_tokens leaves, and their
 allocated like any other. After verification `num_computed_tokens` counts the anchor and the
 accepted drafts only; rejected drafts' slots are overwritten by later tokens. Preemption drops
 drafts.
+
+Async scheduling (engine.py) schedules step k before step k-1's tokens reach the host: counts
+advance at launch (`after_launch`), a token in flight is `Request.num_pending_tokens` and a
+placeholder in the scheduled token ids, and `resolve` appends it when it arrives. A request whose
+in-flight tokens reach max_tokens is not scheduled again.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from collections.abc import Iterable
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.config import SchedulerConfig
 from libkk.engine.request import Request, RequestStatus
-from libkk.runtime.io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from libkk.runtime.io import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 PREFILL, DECODE = "prefill", "decode"
 # "auto" share: bounds and the most it moves per step.
@@ -104,7 +114,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_owed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or request.reaches_length_in_flight:
                 i += 1
                 continue
             if request.spec_token_ids:
@@ -180,14 +190,21 @@ class Scheduler:
         sampling = None
         if start + num_new == request.num_tokens:
             sampling = request.sampling_row()
+        token_ids = request.all_token_ids[start : start + num_new]
+        # Async scheduling: the token the previous step samples is not known yet.
+        num_in_flight = num_new - len(token_ids)
+        assert num_in_flight <= 1, "only the previous step's token can be in flight"
+        if num_in_flight:
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new] + spec,
+            token_ids=token_ids + spec,
             num_computed_tokens=start,
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             sampling=sampling,
             spec_token_ids=list(spec),
             draft_logits=request.draft_logits,
+            last_token_in_flight=num_in_flight == 1,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -239,6 +256,55 @@ class Scheduler:
             if request.finished:
                 self.running.remove(request)
                 del self.requests[request.request_id]
+                self.kv_cache.free(request)
+                timeline.finished = now
+        return updated
+
+    # ---- async scheduling -----------------------------------------------------------------
+
+    def after_launch(self, sched_out: SchedulerOutput) -> None:
+        """Advances the counts of a launched step whose tokens are still in flight."""
+        for scheduled in sched_out.requests:
+            request = self.requests[scheduled.request_id]
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.sampling is not None:
+                request.num_pending_tokens += 1
+
+    def resolve(
+        self,
+        sampled: dict[str, Request],
+        runner_out: ModelRunnerOutput,
+        sched_out: SchedulerOutput,
+        elapsed: float,
+    ) -> list[Request]:
+        """Appends a launched step's tokens once they reached the host; finishes requests on stop
+        tokens or length. `sampled`: the requests that sampled in that step, as launched. A
+        request that finished (or was aborted) since is skipped: its token is discarded.
+        Returns the requests that received a token (finished ones included)."""
+        self._charge(sched_out, elapsed)
+        now = time.monotonic()
+        updated: list[Request] = []
+        for rid, [token] in runner_out.sampled_token_ids.items():
+            request = sampled[rid]
+            if self.requests.get(rid) is not request:
+                continue  # finished while its token was in flight (a new request may reuse the id)
+            request.num_pending_tokens -= 1
+            [lp] = runner_out.logprobs.get(rid) or [None]
+            request.append_token(token, lp)
+            request.check_stop_token()
+            timeline = request.timeline
+            if timeline.first_token is None:
+                timeline.first_token = now
+            timeline.last_token = now
+            timeline.num_output_tokens = request.num_output_tokens
+            updated.append(request)
+            if request.finished:
+                # It may have been preempted (waiting) while its token was in flight.
+                if request in self.running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                del self.requests[rid]
                 self.kv_cache.free(request)
                 timeline.finished = now
         return updated

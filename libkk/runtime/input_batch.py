@@ -15,7 +15,9 @@ from libkk.sample.sampler import SamplingRow
 @dataclass
 class InputBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
-    input_ids_cpu: np.ndarray  # [num_tokens] int64, the host copy (host-table embeddings read it)
+    # [num_tokens] int64, the host copy (host-table embeddings read it); with async scheduling a
+    # token still in flight is PLACEHOLDER_TOKEN_ID here, filled in on the device only.
+    input_ids_cpu: np.ndarray
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     # [sum(1 + num_spec)] int64: the last 1 + n rows of each sampling request (n = its drafts).
@@ -81,7 +83,9 @@ def build_input_batch(
         input_ids_cpu=input_ids,
         positions=to_dev(positions.astype(np.int64)),
         attn_metadata=metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        # NOTE: through to_dev: a blocking copy would wait for the device's queued work, which
+        # under async scheduling is the previous step.
+        logits_indices=to_dev(np.asarray(logits_indices, dtype=np.int64)),
         sampling_rows=sampling_rows,
         sampling_request_ids=sampling_ids,
         num_spec=num_spec,

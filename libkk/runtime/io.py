@@ -11,6 +11,10 @@ import torch
 
 from libkk.sample.sampler import SamplingRow, TokenLogprobs
 
+# Stands in a ScheduledRequest's token_ids for a token the previous step has sampled but the host
+# does not know yet (async scheduling); the runner replaces it on the device before the forward.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -27,6 +31,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     # [n, vocab] fp32 raw draft logits (before temperature), or None for one-hot drafts.
     draft_logits: torch.Tensor | None = None
+    # Async scheduling: the last of token_ids is PLACEHOLDER_TOKEN_ID, the token the previous
+    # launched step samples for this request; the runner gathers it from that step's device ids.
+    last_token_in_flight: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -64,3 +71,28 @@ class ModelRunnerOutput:
     # states of the tokens whose KV became final this step (a prefill chunk's rows; the anchor
     # and the accepted drafts of a verification).
     aux_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device whose sampled ids are on their way to the host (async
+    scheduling). `wait` blocks until they arrive."""
+
+    # The requests that sample this step, in the order of `token_ids`.
+    request_ids: list[str]
+    # [num_sampling_requests] int64 on the host (pinned on CUDA), valid once `copied` completed.
+    token_ids: torch.Tensor
+    # Recorded after the device->host copy; None when the copy is already complete (CPU).
+    copied: torch.cuda.Event | None
+    logprobs: list[TokenLogprobs | None]
+
+    def wait(self) -> ModelRunnerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        out = ModelRunnerOutput()
+        for rid, token, lp in zip(
+            self.request_ids, self.token_ids.tolist(), self.logprobs, strict=True
+        ):
+            out.sampled_token_ids[rid] = [token]
+            out.logprobs[rid] = [lp]
+        return out

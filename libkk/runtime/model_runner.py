@@ -20,9 +20,16 @@ from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_di
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch
-from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.verify import verify
-from libkk.sample.sampler import Sampler
+from libkk.sample.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    _logprobs,
+    _sample_random,
+    apply_penalties,
+)
 
 
 class ModelRunner:
@@ -62,6 +69,10 @@ class ModelRunner:
             layer.kv_cache = cache
         self.host_embeddings = [m for m in model.modules() if isinstance(m, HostRowsEmbedding)]
         self.graphs: DecodeGraphs | None = None
+        # The last launched step's sampled ids [S] on the device and each request's row in them:
+        # the next step's in-flight input tokens are gathered from there.
+        self._in_flight_ids: torch.Tensor | None = None
+        self._in_flight_rows: dict[str, int] = {}
         self.compile_cache = "off"  # how the artifact cache served this runner (graphs/compile.py)
         self.capture_seconds = 0.0  # compile (where it happens during capture) + capture
         compilation = compilation or CompilationConfig()
@@ -178,11 +189,87 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
+        hidden, aux = self._forward(batch)
+        out = ModelRunnerOutput()
+        if batch.sampling_rows:
+            if any(batch.num_spec):
+                self._sample_with_drafts(sched_out, batch, hidden, out)
+            else:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+                sampled = self.sampler(logits, batch.sampling_rows)
+                for rid, token, lp in zip(
+                    batch.sampling_request_ids, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    out.sampled_token_ids[rid] = [token]
+                    out.logprobs[rid] = [lp]
+        # A synchronous step's tokens are known on the host: nothing in flight to gather from.
+        self._in_flight_ids, self._in_flight_rows = None, {}
+        if aux is not None:
+            self._collect_aux_hidden(sched_out, batch, aux, out)
+        return out
+
+    @torch.inference_mode()
+    def launch(self, sched_out: SchedulerOutput) -> LaunchedStep:
+        """Enqueues the step (forward and sampling) and the copy of its sampled ids to the host,
+        without waiting for them (async scheduling; no drafts, no aux hidden states).
+
+        Tokens marked `last_token_in_flight` are read from the previous launched step's device
+        ids. On CUDA the host waits only where sampling itself reads device values (top-k/top-p
+        candidate checks, logprobs); greedy and plain temperature rows never wait.
+        """
+        batch = build_input_batch(sched_out, self.block_size, self.device)
+        self._gather_in_flight_inputs(sched_out, batch)
+        hidden, _ = self._forward(batch)
+        request_ids = batch.sampling_request_ids
+        if not request_ids:
+            self._in_flight_ids, self._in_flight_rows = None, {}
+            return LaunchedStep([], torch.empty(0, dtype=torch.int64), None, [])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+        token_ids = sample_token_ids(logits, batch.sampling_rows)  # [S] int64, on the device
+        logprobs: list[TokenLogprobs | None] = [None] * len(request_ids)
+        if any(row.params.logprobs is not None for row in batch.sampling_rows):
+            logprobs = token_logprobs(logits, token_ids, batch.sampling_rows)
+        self._in_flight_ids = token_ids
+        self._in_flight_rows = {rid: i for i, rid in enumerate(request_ids)}
+        copied = None
+        if token_ids.is_cuda:
+            host = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = token_ids
+        return LaunchedStep(list(request_ids), host, copied, logprobs)
+
+    def _gather_in_flight_inputs(self, sched_out: SchedulerOutput, batch: InputBatch) -> None:
+        """Replaces placeholder input ids with the previous launched step's sampled ids, on the
+        device (no host round trip)."""
+        dst, src = [], []
+        starts = batch.attn_metadata.query_start_loc_cpu
+        for i, r in enumerate(sched_out.requests):
+            if not r.last_token_in_flight:
+                continue
+            row = self._in_flight_rows.get(r.request_id)
+            if row is None or self._in_flight_ids is None:
+                raise RuntimeError(
+                    f"request {r.request_id!r} has a token in flight but the previous launched "
+                    "step did not sample it"
+                )
+            dst.append(starts[i + 1] - 1)
+            src.append(row)
+        if not dst:
+            return
+        rows = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+        places = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
+        batch.input_ids.index_copy_(0, places, self._in_flight_ids.index_select(0, rows))
+
+    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [num_tokens, hidden], aux hidden [num_tokens, len(aux) * hidden] or None)."""
         num_tokens = batch.input_ids.shape[0]
         for embedding in self.host_embeddings:  # rows of host tables, gathered before the forward
             embedding.stage(batch.input_ids_cpu)
         aux_layers = self.aux_hidden_layers
-        aux: torch.Tensor | None = None  # [num_tokens, len(aux_layers) * hidden]
+        aux: torch.Tensor | None = None
         if (
             self.graphs is not None
             # Graphs keep aux hidden states only when captured with the stash.
@@ -199,21 +286,7 @@ class ModelRunner:
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             if aux_layers:
                 aux = self.model.aux_hidden_states
-        out = ModelRunnerOutput()
-        if batch.sampling_rows:
-            if any(batch.num_spec):
-                self._sample_with_drafts(sched_out, batch, hidden, out)
-            else:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-                sampled = self.sampler(logits, batch.sampling_rows)
-                for rid, token, lp in zip(
-                    batch.sampling_request_ids, sampled.token_ids, sampled.logprobs, strict=True
-                ):
-                    out.sampled_token_ids[rid] = [token]
-                    out.logprobs[rid] = [lp]
-        if aux is not None:
-            self._collect_aux_hidden(sched_out, batch, aux, out)
-        return out
+        return hidden, aux
 
     def _sample_with_drafts(
         self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
@@ -265,3 +338,40 @@ class ModelRunner:
                 r.num_computed_tokens,
                 aux[starts[i] : starts[i] + num_final],
             )
+
+
+def sample_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The tokens `Sampler` picks for `rows` (same ops, same results), left on the device.
+
+    logits [S, vocab] -> [S] int64. NOTE: Sampler returns host lists; async scheduling needs
+    the ids as a device tensor, so this follows Sampler.__call__ up to its host copy.
+    """
+    x = logits.float()
+    x = apply_penalties(x, rows, inplace=x is not logits)  # [S, vocab]
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if len(random_rows) < len(rows):
+        token_ids = x.argmax(dim=-1)  # [S]; ties go to the lowest id
+    if random_rows:
+        picked = [rows[i] for i in random_rows]
+        seeds = _to_device([row.seed for row in picked], logits.device)
+        positions = _to_device([row.position for row in picked], logits.device)
+        params = [row.params for row in picked]
+        if len(random_rows) == len(rows):
+            xr = x.clone() if x is logits else x  # sampling works in place
+            token_ids = _sample_random(xr, params, seeds, positions)
+        else:
+            idx = _to_device(random_rows, logits.device)
+            token_ids[idx] = _sample_random(x[idx], params, seeds, positions)
+    return token_ids
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the sampled tokens for the rows that ask for them (reads them on the host)."""
+    return _logprobs(logits, token_ids, rows)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    # NOTE: non_blocking: a blocking host->device copy would wait for the previous step's work.
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

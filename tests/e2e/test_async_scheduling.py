@@ -1,0 +1,272 @@
+"""Async scheduling: step k launches before step k-1's tokens reach the host, and the output is
+the synchronous engine's, token for token and output for output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from libkk import ConfigError, EngineConfig, SamplingParams, Session
+from libkk.runtime.io import PLACEHOLDER_TOKEN_ID
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because it wanted to see the other side",
+    "Hello",
+    "In 1969, astronauts landed on the Moon. The mission was called",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z " * 3,
+    "Paris is the capital of",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def run_stepped(session: Session, prompts, params) -> dict[str, list[tuple]]:
+    """Every request's outputs, in order, through submit/step: (delta tokens, delta text,
+    finished, finish reason, stop reason, logprob token ids)."""
+    rids = [
+        session.submit(p, sp, request_id=f"r{i}")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    seen: dict[str, list[tuple]] = {rid: [] for rid in rids}
+    for _ in range(2000):
+        if not session.has_unfinished_requests():
+            break
+        for o in session.step():
+            lps = None if o.logprobs is None else [lp.token_id for lp in o.logprobs]
+            seen[o.request_id].append(
+                (o.delta_token_ids, o.delta_text, o.finished, o.finish_reason, o.stop_reason, lps)
+            )
+    assert not session.has_unfinished_requests()
+    return seen
+
+
+def both_modes(model_dir, prompts, params, **settings) -> tuple[dict, dict, dict]:
+    """The stepped outputs of a sync and an async session with the same settings, and the async
+    session's stats."""
+    results = []
+    for async_scheduling in (False, True):
+        with Session(str(model_dir), async_scheduling=async_scheduling, **settings) as s:
+            results.append(run_stepped(s, prompts, params))
+            if async_scheduling:
+                kv = s.engine.kv_cache_manager
+                assert kv.num_free_blocks == kv.num_blocks - 1  # every block came back
+                kv.check_invariants()
+                stats = s.stats()
+    return results[0], results[1], stats
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Greedy tokens of each prompt (synchronous), to pick stop tokens and stop strings from."""
+    with Session(str(tiny_llama_dir)) as s:
+        return s.generate(PROMPTS, GREEDY)
+
+
+def test_mixed_params_match_sync(tiny_llama_dir, reference):
+    """Lengths 1..N, stop tokens and strings, seeded sampling with filters, logprobs, penalties
+    and min_tokens (which make steps wait), in one batch."""
+    stop_token = reference[0].token_ids[4]
+    stop_text = reference[2].text[6:9]
+    assert stop_text.strip()
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=9, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=8, temperature=0.7, seed=3, repetition_penalty=1.3),
+        SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=11, temperature=1.1, seed=5, ignore_eos=True),
+    ]
+    sync, async_, _ = both_modes(tiny_llama_dir, PROMPTS, params)
+    assert async_ == sync
+    assert sync["r0"][-1][3:5] == ("stop", stop_token)
+    assert sync["r2"][-1][3:5] == ("stop", stop_text)
+    assert [len(sum((o[0] for o in sync[f"r{i}"]), [])) for i in (1, 4)] == [1, 2]
+
+
+def test_chunked_prefill_matches_sync(tiny_llama_dir):
+    params = [GREEDY, SamplingParams(max_tokens=7, temperature=0.8, seed=11, ignore_eos=True)] * 4
+    sync, async_, stats = both_modes(
+        tiny_llama_dir, PROMPTS, params, max_num_batched_tokens=7, enable_prefix_caching=False
+    )
+    assert async_ == sync
+    assert stats["num_steps"] > 30  # the prompts really were cut into chunks
+
+
+def test_preemption_matches_sync(tiny_llama_dir):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    sync, async_, stats = both_modes(
+        tiny_llama_dir,
+        PROMPTS,
+        [params] * len(PROMPTS),
+        block_size=4,
+        num_gpu_blocks=25,
+        max_model_len=96,
+        enable_prefix_caching=False,
+    )
+    assert stats["num_preemptions"] > 0
+    assert async_ == sync
+
+
+def test_prefix_cache_hits_match_sync(tiny_llama_dir):
+    params = [GREEDY] * len(PROMPTS)
+    for async_scheduling in (False, True):
+        with Session(str(tiny_llama_dir), block_size=4, async_scheduling=async_scheduling) as s:
+            first = s.generate(PROMPTS, params)
+            again = s.generate(PROMPTS, params)
+        if not async_scheduling:
+            expected = [o.token_ids for o in first]
+        assert [o.token_ids for o in first] == expected
+        assert [o.token_ids for o in again] == expected
+        assert sum(o.num_cached_tokens for o in again) > 0.5 * sum(
+            len(o.prompt_token_ids) for o in again
+        )
+
+
+def test_random_load_matches_sync(tiny_llama_dir):
+    """Many requests of random lengths and limits through a small pool and a small budget:
+    chunks, decodes, admissions and preemptions interleave."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))] for _ in range(40)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 10),
+            temperature=rng.choice([0.0, 0.8]),
+            seed=i,
+            stop_token_ids=[rng.randrange(3, 49152)],
+        )
+        for i in range(40)
+    ]
+    sync, async_, stats = both_modes(
+        tiny_llama_dir,
+        prompts,
+        params,
+        block_size=4,
+        num_gpu_blocks=30,
+        max_model_len=64,
+        max_num_seqs=12,
+        max_num_batched_tokens=32,
+    )
+    assert async_ == sync
+    assert stats["num_preemptions"] > 0
+
+
+def test_abort_mid_generation(tiny_llama_dir, reference):
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with Session(str(tiny_llama_dir)) as s:
+        full = s.generate(PROMPTS[1], long).token_ids
+    with Session(str(tiny_llama_dir), async_scheduling=True) as s:
+        a = s.submit(PROMPTS[0], GREEDY)
+        b = s.submit(PROMPTS[1], long)
+        got: dict[str, list] = {a: [], b: []}
+        for _ in range(5):
+            for o in s.step():
+                got[o.request_id].append(o)
+        s.abort(b)
+        while s.has_unfinished_requests():
+            for o in s.step():
+                got[o.request_id].append(o)
+        assert s.engine.kv_cache_manager.num_free_blocks == s.engine.kv_cache_manager.num_blocks - 1
+    [*streamed, final] = got[b]  # nothing after the abort's output
+    assert final.finish_reason == "abort" and not any(o.finished for o in streamed)
+    assert final.token_ids == sum((o.delta_token_ids for o in got[b]), [])
+    assert 0 < len(final.token_ids) < 40 and final.token_ids == full[: len(final.token_ids)]
+    assert got[a][-1].token_ids == reference[0].token_ids
+
+
+def test_failed_request_is_isolated(tiny_llama_dir, reference):
+    """A launch that fails because of one request: that request ends with an error, the others
+    still give the synchronous tokens."""
+    with Session(str(tiny_llama_dir), async_scheduling=True) as s:
+        runner = s.engine.runner
+        launch = runner.launch
+
+        def failing_launch(sched_out):
+            if any(r.request_id == "bad" and r.num_computed_tokens > 8 for r in sched_out.requests):
+                raise RuntimeError("poisoned request")
+            return launch(sched_out)
+
+        runner.launch = failing_launch
+        good = [s.submit(p, GREEDY) for p in PROMPTS[:3]]
+        s.submit(PROMPTS[4], GREEDY, request_id="bad")
+        outs: dict[str, list] = {}
+        while s.has_unfinished_requests():
+            for o in s.step():
+                outs.setdefault(o.request_id, []).append(o)
+    assert outs["bad"][-1].finish_reason == "error" and "poisoned" in outs["bad"][-1].error
+    assert [outs[rid][-1].token_ids for rid in good] == [o.token_ids for o in reference[:3]]
+
+
+def test_launch_comes_before_the_previous_steps_tokens(tiny_llama_dir):
+    """The order of launch(k) and resolve(k-1), and that step k's input is the in-flight token."""
+    with Session(str(tiny_llama_dir), async_scheduling=True) as s:
+        engine = s.engine
+        events: list[tuple[str, int]] = []
+        launched: list[object] = []
+        launch, resolve = engine.runner.launch, engine.scheduler.resolve
+
+        def record_launch(sched_out):
+            launched.append(sched_out)
+            events.append(("launch", len(launched)))
+            return launch(sched_out)
+
+        def record_resolve(sampled, runner_out, sched_out, elapsed):
+            events.append(("resolve", next(i for i, o in enumerate(launched, 1) if o is sched_out)))
+            return resolve(sampled, runner_out, sched_out, elapsed)
+
+        engine.runner.launch = record_launch
+        engine.scheduler.resolve = record_resolve
+        rid = s.submit("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        per_call = [len(s.step()) for _ in range(6)]
+    # Prefill and 3 decodes: launch k before resolve k-1; the last is finished by a call with
+    # nothing left to launch.
+    assert events == [
+        ("launch", 1),
+        ("launch", 2),
+        ("resolve", 1),
+        ("launch", 3),
+        ("resolve", 2),
+        ("launch", 4),
+        ("resolve", 3),
+        ("resolve", 4),
+    ]
+    assert per_call == [0, 1, 1, 1, 1, 0]
+    # Every decode's input was still in flight when it was scheduled.
+    for sched_out in launched[1:]:
+        [r] = sched_out.requests
+        assert r.request_id == rid and r.last_token_in_flight
+        assert r.token_ids == [PLACEHOLDER_TOKEN_ID]
+
+
+def test_penalties_wait_for_the_token_in_flight(tiny_llama_dir):
+    """A request whose sampling reads earlier tokens is never scheduled with a placeholder."""
+    with Session(str(tiny_llama_dir), async_scheduling=True) as s:
+        scheduled = []
+        schedule = s.engine.scheduler.schedule
+
+        def record():
+            out = schedule()
+            scheduled.extend(out.requests)
+            return out
+
+        s.engine.scheduler.schedule = record
+        params = SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=0.5)
+        s.generate(PROMPTS[:2], params)
+    assert len(scheduled) > 6 and not any(r.last_token_in_flight for r in scheduled)
+
+
+def test_config_errors():
+    assert EngineConfig.from_settings(async_scheduling=True).scheduler.async_scheduling
+    assert not EngineConfig().scheduler.async_scheduling
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        EngineConfig.from_settings(async_scheduling=True, speculative={"method": "ngram"})
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig.from_settings(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="shared_host_tables"):
+        EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        EngineConfig.from_settings(async_scheduling="yes")
