@@ -63,7 +63,7 @@ def test_decode_graph_captured_before_calibration_reads_calibrated_scales():
             out = layer.attend(q, k, v)
     assert layer.calibration_pending and layer.kv_scales == (1.0, 1.0)
 
-    # The first prefill (20 and 9 tokens, |k| >> 448) calibrates eagerly.
+    # The first prefill (20 and 9 tokens, |k|, |v| >> 448) calibrates eagerly.
     prefill_slots = torch.tensor(
         [PAGE + p for p in range(16)] + [2 * PAGE + p for p in range(4)] + [3 * PAGE + p for p in range(9)],
         device="cuda",
@@ -73,7 +73,7 @@ def test_decode_graph_captured_before_calibration_reads_calibrated_scales():
         table, 20,
     )  # fmt: skip
     pk = torch.randn(29, KV_HEADS * DIM, device="cuda") * 3000.0
-    pv = torch.randn(29, KV_HEADS * DIM, device="cuda") * 0.01
+    pv = torch.randn(29, KV_HEADS * DIM, device="cuda") * 2000.0
     with set_forward_context(prefill):
         layer.attend(torch.randn(29, HEADS * DIM, device="cuda"), pk, pv)
     k_scale, v_scale = layer.kv_scales
@@ -81,19 +81,22 @@ def test_decode_graph_captured_before_calibration_reads_calibrated_scales():
     assert v_scale == pytest.approx(pv.abs().max().item() / FP8_MAX, rel=1e-6)
     assert not layer.calibration_pending
 
-    # A decode step replays the graph: its stores and reads use the calibrated scales.
+    # A decode step replays the graph: its stores and reads use the calibrated scales. (Smaller
+    # K/V than the prefill's, so nothing saturates; q small so scores stay ordinary.)
     q.copy_(torch.randn_like(q) / 3000.0)
-    k.copy_(torch.randn_like(k) * 3000.0)
-    v.copy_(torch.randn_like(v) * 0.01)
+    k.copy_(torch.randn_like(k) * 1000.0)
+    v.copy_(torch.randn_like(v) * 1000.0)
     graph.replay()
     cache = layer.kv_cache
     flat = cache.view(torch.uint8).view(2, -1, KV_HEADS, DIM)  # fp8 has no index kernels
     stored = flat[0][slots].view(FP8).float() * k_scale
-    torch.testing.assert_close(stored, k.view(2, KV_HEADS, DIM), rtol=2**-4, atol=0.0)
+    # e4m3: relative error <= 2^-4, absolute <= scale * 2^-10 among subnormals.
+    want_k = k.view(2, KV_HEADS, DIM)
+    torch.testing.assert_close(stored, want_k, rtol=2**-4, atol=k_scale * 2**-10)
     args = (cache, table, seq_lens, decode.query_start_loc, DIM**-0.5)
     q3 = q.view(2, HEADS, DIM)
     want = paged_attention_ref(q3, *args, layer.k_scale, layer.v_scale, 1)
-    torch.testing.assert_close(out.view(2, HEADS, DIM), want, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(out.view(2, HEADS, DIM), want, atol=1e-2, rtol=1e-4)
     ones = torch.ones(1, device="cuda")
     unscaled = paged_attention_ref(q3, *args, ones, ones, 1)
-    assert not torch.allclose(unscaled, want, atol=1e-3)
+    assert (unscaled - want).abs().max() > 100.0
