@@ -177,7 +177,6 @@ def _check(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, b
         raise ValueError(f"block_size must be 0 (auto) or a power of two >= 16, got {block}")
 
 
-@torch.library.custom_op("libkk::gumbel_argmax", mutates_args=())
 def gumbel_argmax(
     logits: torch.Tensor,  # [R, V] fp32 / bf16 / fp16 / fp64
     seeds: torch.Tensor,  # [R] int64, any 64-bit value
@@ -185,6 +184,17 @@ def gumbel_argmax(
     block_size: int = 0,  # vocab chunk per program, a power of two; 0 picks one from the shapes
 ) -> torch.Tensor:
     """argmax(logits + keyed Gumbel noise) per row, ties to the lowest id.  # [R] int64"""
+    # NOTE: the custom op's dispatch costs about as much host time as both launches (~25 us per
+    # call on an H200 host, where one row's kernels take ~5 us of GPU time): eager calls go
+    # straight to the launches; traced code (torch.compile) needs the op.
+    if torch.compiler.is_compiling():
+        return _gumbel_argmax_op(logits, seeds, positions, block_size)
+    return _launch_gumbel_argmax(logits, seeds, positions, block_size)
+
+
+def _launch_gumbel_argmax(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     _check(logits, seeds, positions, block_size)
     check_device(logits)
     num_rows, vocab_size = logits.shape
@@ -217,7 +227,14 @@ def gumbel_argmax(
     return out
 
 
-@gumbel_argmax.register_fake
+@torch.library.custom_op("libkk::gumbel_argmax", mutates_args=())
+def _gumbel_argmax_op(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block_size: int = 0
+) -> torch.Tensor:
+    return _launch_gumbel_argmax(logits, seeds, positions, block_size)
+
+
+@_gumbel_argmax_op.register_fake
 def _(logits, seeds, positions, block_size=0):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 

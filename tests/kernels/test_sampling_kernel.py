@@ -162,3 +162,16 @@ def test_ops_pass_opcheck():
     logits = random_logits(2, 40, seed=13)
     torch.library.opcheck(torch.ops.libkk.gumbel_argmax.default, (logits, seeds, positions, 16))
     torch.library.opcheck(torch.ops.libkk.keyed_uniform.default, (seeds, positions, 40))
+
+
+def test_traces_as_one_op_under_torch_compile():
+    seeds, positions = keys(3, seed=14)
+    logits = random_logits(3, 700, seed=15)
+
+    def sample(x):
+        return gumbel_argmax(x * 0.5, seeds, positions)
+
+    # fullgraph: compiling fails unless the traced call goes through the custom op.
+    compiled = torch.compile(sample, backend="aot_eager", fullgraph=True)
+    want = reference.gumbel_argmax_ref(logits * 0.5, seeds, positions)
+    assert torch.equal(compiled(logits), want)
