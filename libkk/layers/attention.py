@@ -15,6 +15,7 @@ import abc
 import itertools
 import math
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -278,10 +279,12 @@ class Attention(nn.Module):
         """scale = amax(|x|) / 448 over the real rows this step stores, so they span e4m3.
 
         Runs eagerly: `attend` is called outside torch.compile (inside the opaque attention op
-        when compiled), and only FULL decode graphs, captured before any real prefill, contain
-        attention. A capture is therefore never the first real store: calibration is a no-op
-        inside one (it would need host syncs), and the graphs read the calibrated values later
-        from the same tensors.
+        when compiled), and only FULL decode graphs contain attention. Those are captured at
+        start-up, before any real prefill, over padding rows: calibration is a no-op inside a
+        capture (it syncs with the host), and replays read the calibrated values later from the
+        same tensors. A replay runs no Python, so the runner must not replay graphs while
+        `kv_scale_calibration_pending` (a first step of one-token prompts is a uniform decode
+        batch).
         """
         if not is_fp8(self.kv_cache):  # other caches ignore scales: nothing to calibrate
             self.calibration_pending = False
@@ -301,6 +304,11 @@ class Attention(nn.Module):
 
 # Floor of a calibrated scale: an all-zero K or V of the first batch must not give scale 0.
 MIN_CALIBRATED_SCALE = torch.finfo(torch.float32).tiny
+
+
+def kv_scale_calibration_pending(layers: Iterable[Attention]) -> bool:
+    """Whether any layer still waits for its first real store to calibrate its scales."""
+    return any(layer.calibration_pending for layer in layers)
 
 
 def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:

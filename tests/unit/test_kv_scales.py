@@ -14,6 +14,7 @@ from libkk.layers.attention import (
     calibrate_kv_scales_on_first_prefill,
     dequantize,
     gather_blocks,
+    kv_scale_calibration_pending,
     store_kv,
 )
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
@@ -105,6 +106,7 @@ def test_calibration_takes_the_first_real_batch_then_stays():
     pad = _metadata([0, 1, 2], [3], [[0]])
     _attend(layers[0], pad, 5000.0, 3.0)
     assert layers[0].calibration_pending and layers[0].kv_scales == (1.0, 1.0)
+    assert kv_scale_calibration_pending(layers)
     # Two prefills; the padded row (slot 0) carries a huge key that must not count.
     first = _metadata([4, 5, 6, 8, 9, 0], [3, 2, 1], [[1], [2], [0]])
     for i, layer in enumerate(layers):
@@ -116,6 +118,7 @@ def test_calibration_takes_the_first_real_batch_then_stays():
         assert layer.kv_scales == pytest.approx((k_want, v_want), rel=1e-6)
         assert not layer.calibration_pending
     assert layers[0].kv_scales != pytest.approx(layers[1].kv_scales)  # per layer
+    assert not kv_scale_calibration_pending(layers)
     # The next steps (larger values) leave the scales, and their storage, as they are.
     before = [layer.kv_scales for layer in layers]
     decode = _metadata([7, 10], [1, 1], [[1], [2]])
