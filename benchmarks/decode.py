@@ -7,6 +7,7 @@ token: libkk from the requests' timelines, transformers as generate(N + 1) minus
 floor is (weight bytes + KV bytes read per step) / measured device copy bandwidth.
 
     python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
+        [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -161,7 +162,13 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def bench_libkk(
-    path: Path, batch: int, prompt: int, tokens: int, repeats: int, profile: bool = False
+    path: Path,
+    batch: int,
+    prompt: int,
+    tokens: int,
+    repeats: int,
+    profile: bool = False,
+    async_scheduling: bool = False,
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -172,6 +179,7 @@ def bench_libkk(
         max_model_len=prompt + tokens + 16,
         max_num_seqs=batch,
         max_num_batched_tokens=max(8192, prompt),
+        async_scheduling=async_scheduling,
         progress=False,
     ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
@@ -252,6 +260,11 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", action="store_true", help="profile the first batch size")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="libkk launches each step before the previous step's tokens reach the host",
+    )
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -264,7 +277,9 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         profile = args.profile and batch == args.batch[0]
-        kk = bench_libkk(path, batch, args.prompt, args.tokens, args.repeats, profile)
+        kk = bench_libkk(
+            path, batch, args.prompt, args.tokens, args.repeats, profile, args.async_scheduling
+        )
         # Bytes one decode step must move: every weight once (the MoE shape reads only the
         # experts a batch routes to; counted here as all of them, an upper bound) + the KV read.
         ctx = args.prompt + args.tokens // 2
@@ -274,6 +289,7 @@ def main() -> None:
             "libkk_ms": statistics.median(kk["ms_per_step"]),
             "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
             "floor_ms": floor_ms,
+            "async_scheduling": args.async_scheduling,
         }
         print(json.dumps(row), flush=True)
         if not args.no_peer:
@@ -284,7 +300,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
-        f"\n{args.shape} decode, prompt {args.prompt}, {args.tokens} tokens, "
+        f"\n{args.shape} decode{' (async scheduling)' if args.async_scheduling else ''}, "
+        f"prompt {args.prompt}, {args.tokens} tokens, "
         f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
     )
     print(

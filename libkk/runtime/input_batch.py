@@ -65,7 +65,7 @@ def build_input_batch(
             num_spec.append(n)
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        return host_to_device(torch.from_numpy(a), device)
 
     metadata = AttentionMetadata(
         slot_mapping=to_dev(slot_mapping),
@@ -90,3 +90,14 @@ def build_input_batch(
         sampling_request_ids=sampling_ids,
         num_spec=num_spec,
     )
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous host->device copy that never waits for the device's queued work.
+
+    NOTE: on CUDA the source is staged in pinned memory first: a copy from pageable memory may
+    wait for the stream, which under async scheduling still runs the previous step.
+    """
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

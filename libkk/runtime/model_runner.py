@@ -19,7 +19,7 @@ from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
-from libkk.runtime.input_batch import InputBatch, build_input_batch
+from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
 from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.verify import verify
 from libkk.sample.sampler import (
@@ -259,8 +259,8 @@ class ModelRunner:
             src.append(row)
         if not dst:
             return
-        rows = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
-        places = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = _to_device(src, self.device)
+        places = _to_device(dst, self.device)
         batch.input_ids.index_copy_(0, places, self._in_flight_ids.index_select(0, rows))
 
     def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -373,5 +373,4 @@ def token_logprobs(
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    # NOTE: non_blocking: a blocking host->device copy would wait for the previous step's work.
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)

@@ -270,3 +270,54 @@ def test_config_errors():
         EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineConfig.from_settings(async_scheduling="yes")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_sync(tiny_llama_dir):
+    """On CUDA, with decode steps replayed from graphs: the in-flight tokens gathered on the
+    device and the ids copied back asynchronously give the synchronous tokens."""
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1),
+    ] * 2 + [GREEDY] * 2
+    settings = dict(device="cuda", dtype="float32", torch_compile=False, progress=False)
+    sync, async_, stats = both_modes(tiny_llama_dir, PROMPTS, params, **settings)
+    assert async_ == sync
+    assert stats["num_steps"] > 10
+
+
+def test_device_sampling_matches_the_sampler():
+    """The runner's device-tensor sampling picks what Sampler picks, row for row."""
+    import torch
+
+    from libkk.runtime.model_runner import sample_token_ids
+    from libkk.sample.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, seed=3),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [
+        SamplingRow(
+            params=p,
+            seed=i,
+            position=10 + i,
+            prompt_token_ids=[1, 2, 3],
+            output_token_ids=[int(logits[i].argmax())],
+            banned_token_ids=(int(logits[5].argmax()),) if i == 5 else (),
+        )
+        for i, p in enumerate(params)
+    ]
+    expected = Sampler()(logits.clone(), rows).token_ids
+    assert sample_token_ids(logits.clone(), rows).tolist() == expected
+    greedy = [0, 3, 5]
+    assert sample_token_ids(logits[greedy].clone(), [rows[i] for i in greedy]).tolist() == [
+        expected[i] for i in greedy
+    ]
