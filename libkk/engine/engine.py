@@ -418,34 +418,34 @@ class Engine:
         """
         self._log_stalls()
         outputs: list[RequestOutput] = []
-        previous, self._in_flight = self._in_flight, None
+        previous = self._in_flight
         if previous is not None and any(
             r.reads_token_values() for r in previous.live_requests(self.scheduler.requests)
         ):
-            outputs += self._finish_launched(previous)
-            previous = None
+            outputs += self._finish_in_flight()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
-            if previous is not None:
-                outputs += self._finish_launched(previous)
-            return outputs
+            return outputs + self._finish_in_flight()
         self.num_steps += 1
         if self.host_tier is not None:
             self.host_tier.flush()  # the forward runs after this step's tier copies
         try:
-            self._in_flight = self._launch(sched_out)
+            launched = self._launch(sched_out)
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
             logger.warning(
                 "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e
             )
-            if previous is not None:
-                outputs += self._finish_launched(previous)
+            outputs += self._finish_in_flight()
             return outputs + self._launch_isolated(sched_out)
-        if previous is not None:
-            outputs += self._finish_launched(previous)
+        outputs += self._finish_in_flight()  # while the device runs `launched`
+        self._in_flight = launched
         return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._finish_launched(step)
 
     def _launch(self, sched_out: SchedulerOutput) -> InFlightStep:
         start = time.perf_counter()

@@ -93,7 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         now = time.monotonic()
-        has_decode = any(r.is_decode for r in self.running)
+        has_decode = any(r.is_decode and not r.reaches_length_in_flight for r in self.running)
         has_prefill = bool(self.waiting) or any(not r.is_decode for r in self.running)
         step_class = self._pick_class(has_prefill, has_decode)
         budget = cfg.scheduled_token_cap
@@ -138,8 +138,12 @@ class Scheduler:
 
         # Then waiting requests, in arrival order (preempted ones were put back in front).
         if step_class != DECODE:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting[0]
+            j = 0  # skips only requests preempted with their last token in flight
+            while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting[j]
+                if request.reaches_length_in_flight:
+                    j += 1  # finishes when its token arrives: recomputing it would be wasted
+                    continue
                 hit_blocks, num_hit_tokens = [], 0
                 if request.num_computed_tokens == 0:
                     hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
@@ -150,7 +154,7 @@ class Scheduler:
                     num_new = budget
                 if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                     break
-                self.waiting.popleft()
+                del self.waiting[j]
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = num_hit_tokens
                 request.num_computed_tokens = num_hit_tokens
