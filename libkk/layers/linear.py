@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import all_reduce, get_tp_rank, get_tp_size
+from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError
 
 WHOLE = frozenset({None})
@@ -134,17 +134,25 @@ class Linear(nn.Module):
 class ColumnParallelLinear(Linear):
     """A linear layer whose output rows are split across tensor-parallel ranks.
 
-    Each rank computes its own `out_features / tp` outputs; nothing is gathered (the next layer is
-    row-parallel or per-head).
+    Each rank computes its own `out_features / tp` outputs. By default nothing is gathered (the
+    next layer is row-parallel or per-head); with `gather_output` every rank gets the full output
+    (each element computed whole by one rank, so it equals the replicated layer's).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False
+    ) -> None:
         part = tp_split(out_features, "out_features")
         super().__init__(in_features, len(part), bias)
+        self.gather_output = gather_output
         slices = dim_slices(0, part)
         for param in (self.weight, self.bias):
             if param is not None and slices is not None:
                 param.tp_slices = slices  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
+        out = linear(x, self.weight, self.bias)
+        return all_gather_last_dim(out) if self.gather_output else out
 
 
 class RowParallelLinear(Linear):

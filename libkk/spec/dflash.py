@@ -14,6 +14,12 @@ Checkpoint layout (z-lab/dflash): `config.json` (Qwen3 fields plus `dflash_confi
 and `model.safetensors` with `fc.weight`, `hidden_norm.weight`, `norm.weight` and
 `layers.N.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
 mlp.{gate,up,down}_proj}.weight`. The embedding and LM head are not stored.
+
+Under tensor parallelism the drafter is split like the target: `fc` is column-parallel with its
+small output gathered (each rank reads 1/N of its rows; every output element is computed whole by
+one rank, as the replicated projection computes it), attention heads and the MLP's intermediate
+dimension are split with row-parallel o/down projections, and the embedding lookup and LM head go
+through the target's vocab-parallel layers. Every rank runs the same draft calls in step.
 """
 
 from __future__ import annotations
@@ -31,14 +37,23 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from libkk.dist import get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError, ModelNotFoundError
 from libkk.layers.attention import attention_backend, store_kv
 from libkk.layers.forward_context import AttentionMetadata
-from libkk.layers.linear import WHOLE, GateUpLinear, Linear, QKVLinear, default_weight_loader
+from libkk.layers.linear import (
+    WHOLE,
+    ColumnParallelLinear,
+    GateUpLinear,
+    QKVLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from libkk.layers.linear import linear as linear_op
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RopeConfig, RotaryEmbedding
 from libkk.models.llama import STACKED_PARAMS
+from libkk.models.sharded_read import ShardedReader, Slices
 from libkk.quant.checkpoint import fp8_block_dequantize_stream
 from libkk.quant.formats import quantize_fp8_block
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
@@ -188,13 +203,13 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.qkv_proj = QKVLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, False
         )
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.rotary = [rotary]  # a list: shared, not a submodule of each layer
@@ -230,7 +245,7 @@ class DFlashMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
@@ -257,7 +272,11 @@ class DFlashDraftModel(nn.Module):
             config.max_position_embeddings,
             RopeConfig(theta=config.rope_theta),
         )
-        self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size)
+        self.fc = ColumnParallelLinear(
+            len(config.target_layer_ids) * config.hidden_size,
+            config.hidden_size,
+            gather_output=True,
+        )
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
             [DFlashLayer(config, self.rotary_emb) for _ in range(config.num_layers)]
@@ -405,16 +424,34 @@ def load_drafter(
         torch.set_default_dtype(previous)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            tensors: Iterable[tuple[str, torch.Tensor]] = ((k, f.get_tensor(k)) for k in f.keys())
+            names = list(f.keys())
+            # Each rank reads its rows of split weights; FP8 weights (stored, or quantized on
+            # load) are read whole and cut after dequantizing, like the target's loader does.
+            fp8 = quantization is not None or any(n.endswith("_scale_inv") for n in names)
+            reader = ShardedReader(_drafter_slices(model), None, presplit=not fp8)
+            tensors: Iterable[tuple[str, torch.Tensor]] = ((n, reader.read(f, n)) for n in names)
             if quantization == "fp8_per_block":
                 tensors = _fp8_quantize_stream(tensors)
-            loaded = model.load_weights(fp8_block_dequantize_stream(tensors, dtype))
+            tensors = reader.slice_rest(fp8_block_dequantize_stream(tensors, dtype))
+            loaded = model.load_weights(tensors)
     except (SafetensorError, OSError) as e:
         raise CorruptCheckpointError(f"cannot read {str(path)!r}: {e}") from None
     missing = sorted({n for n, _ in model.named_parameters()} - loaded)
     if missing:
         raise CorruptCheckpointError(f"{str(path)!r} lacks drafter weights: {', '.join(missing)}")
     return model.eval()
+
+
+def _drafter_slices(model: DFlashDraftModel) -> Callable[[str], Slices | None]:
+    """Checkpoint name -> the ranges this tensor-parallel rank holds (None: all of it)."""
+    params = dict(model.named_parameters())
+
+    def slices_of(ckpt_name: str) -> Slices | None:
+        name, shard = _param_name(ckpt_name.removeprefix("model."))
+        tp_slices = getattr(params.get(name), "tp_slices", None)
+        return None if tp_slices is None else tp_slices(shard)
+
+    return slices_of
 
 
 # -- dense reference attention (training, tests) -------------------------------------------------
@@ -466,16 +503,22 @@ def dense_draft_hidden(
 # -- the proposer ---------------------------------------------------------------------------------
 
 
-def find_embedding(target: nn.Module) -> torch.Tensor:
-    """The target's input embedding matrix [vocab, hidden]."""
+def find_embedding_module(target: nn.Module) -> nn.Module:
+    """The target's input embedding layer."""
     for path in ("model.embed_tokens", "embed_tokens"):
         try:
-            return target.get_submodule(path).weight
+            return target.get_submodule(path)
         except AttributeError:
             continue
     if hasattr(target, "get_input_embeddings"):
-        return target.get_input_embeddings().weight
+        return target.get_input_embeddings()
     raise ConfigError(f"target model {type(target).__name__} has no embed_tokens for DFlash")
+
+
+def find_embedding(target: nn.Module) -> torch.Tensor:
+    """The target's input embedding matrix [vocab, hidden] (this rank's rows under tensor
+    parallelism)."""
+    return find_embedding_module(target).weight
 
 
 @dataclass
@@ -546,16 +589,18 @@ class DFlashProposer(Proposer):
         probabilistic: bool = False,
     ) -> None:
         cfg = drafter.config
-        embedding = find_embedding(target_model)
+        embed_module = find_embedding_module(target_model)
+        embedding = embed_module.weight
+        vocab_size = getattr(embed_module, "vocab_size", embedding.shape[0])
         if embedding.shape[1] != cfg.hidden_size:
             raise ConfigError(
                 f"DFlash drafter hidden_size {cfg.hidden_size} does not match the target's "
                 f"{embedding.shape[1]}"
             )
-        if cfg.mask_token_id >= embedding.shape[0]:
+        if cfg.mask_token_id >= vocab_size:
             raise ConfigError(
                 f"DFlash mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
-                f"({embedding.shape[0]})"
+                f"({vocab_size})"
             )
         num_layers = _num_target_layers(target_model)
         if num_layers is not None and max(cfg.target_layer_ids) >= num_layers:
@@ -572,6 +617,10 @@ class DFlashProposer(Proposer):
         self.config = cfg
         self.target = target_model
         self.embedding = embedding
+        # Under tensor parallelism the lookup is the target's vocab-parallel layer (a collective).
+        self.embed_module = embed_module if get_tp_size() > 1 else None
+        self.num_kv_heads = drafter.layers[0].self_attn.num_kv_heads  # this rank's
+        self.num_heads = drafter.layers[0].self_attn.num_heads
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.num_drafts = num_speculative_tokens or cfg.num_drafts
         param = next(drafter.parameters())
@@ -589,7 +638,7 @@ class DFlashProposer(Proposer):
         """Makes the pool `num_blocks` blocks, keeping what it holds (block 0 is the null block)."""
         old = self._caches[0].shape[1] if self._caches else 1
         cfg = self.config
-        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         caches = []
         for i in range(cfg.num_layers):
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -641,8 +690,8 @@ class DFlashProposer(Proposer):
             self._caches, self.drafter.context_kv(feats, positions), strict=True
         ):
             store_kv(
-                k.view(num, cfg.num_kv_heads, cfg.head_dim),
-                v.view(num, cfg.num_kv_heads, cfg.head_dim),
+                k.view(num, self.num_kv_heads, cfg.head_dim),
+                v.view(num, self.num_kv_heads, cfg.head_dim),
                 cache,
                 slots,
             )
@@ -708,9 +757,9 @@ class DFlashProposer(Proposer):
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out = backend.forward(
-                q.view(n_rows, cfg.num_heads, cfg.head_dim),
-                k.view(n_rows, cfg.num_kv_heads, cfg.head_dim),
-                v.view(n_rows, cfg.num_kv_heads, cfg.head_dim),
+                q.view(n_rows, self.num_heads, cfg.head_dim),
+                k.view(n_rows, self.num_kv_heads, cfg.head_dim),
+                v.view(n_rows, self.num_kv_heads, cfg.head_dim),
                 self._caches[i],
                 metadata,
                 scale,
@@ -719,7 +768,10 @@ class DFlashProposer(Proposer):
 
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        embeds = F.embedding(ids, self.embedding).to(self.dtype)  # [n_rows, H]
+        if self.embed_module is not None:
+            embeds = self.embed_module(ids).to(self.dtype)  # [n_rows, H]
+        else:
+            embeds = F.embedding(ids, self.embedding).to(self.dtype)
         hidden = self.drafter.forward_block(embeds, pos, attend)  # [n_rows, H]
         # The MASK rows (all but each block's first) predict the tokens at their positions.
         keep = torch.arange(n_rows, device=dev).view(-1, rows)[:, 1:].reshape(-1)
