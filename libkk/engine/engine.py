@@ -38,8 +38,8 @@ from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
-from libkk.spec import make_proposer
-from libkk.spec.base import Proposer, ProposeRequest
+from libkk.spec import build_proposer, runner_speculation
+from libkk.spec.base import ProposeRequest
 
 logger = logging.getLogger("libkk")
 
@@ -142,9 +142,18 @@ class Engine:
         if self.executor is not None:  # every rank allocates the same blocks
             self.executor.plan_kv_cache(self.num_blocks, self.max_model_len)
         # The proposer first: its target layers are stashed by the forward the runner captures.
-        self.proposer = self._make_proposer()
+        self.proposer = build_proposer(
+            config,
+            self.model,
+            target_dir=self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            num_target_blocks=self.num_blocks,
+            progress=config.progress,
+        )
         spec = config.speculative
-        aux_layers = tuple(self.proposer.target_layer_ids) if self.proposer else ()
+        runner_spec = runner_speculation(config, self.proposer)
+        aux_layers = runner_spec.aux_layers
         if aux_layers:
             self.model.set_aux_hidden_layers(aux_layers)
         self.runner = ModelRunner(
@@ -159,19 +168,11 @@ class Engine:
             # (packed 4-bit experts run host-sync-free kernels and are).
             capturable=not any(isinstance(m, FusedMoE) for m in self.model.modules()),
             progress=config.progress,
-            # Verification batches where every request has K drafts replay graphs too.
-            query_lens=(1, 1 + spec.num_speculative_tokens) if self.proposer else (1,),
+            query_lens=runner_spec.query_lens,
             stash_aux_hidden=bool(aux_layers),
         )
         if self.proposer is not None:
-            self.runner.set_speculation(
-                aux_hidden_layers=aux_layers,
-                synthetic_rates=(
-                    spec.synthetic_acceptance_rates
-                    if spec.rejection_sample_method == "synthetic"
-                    else None
-                ),
-            )
+            self.runner.set_speculation(aux_layers, runner_spec.synthetic_rates)
         self.adaptive: AdaptiveDrafts | None = None
         if self.proposer is not None and spec.adaptive_verification:
             cost = profile_costs(
@@ -194,6 +195,8 @@ class Engine:
             )
         if self.executor is not None:  # steps go to every rank from here on
             self.runner = self.executor.wrap(self.runner)
+            if self.proposer is not None:  # its calls are made on every rank
+                self.proposer = self.executor.wrap_proposer(self.proposer)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
         self._stall_logged: set[str] = set()
@@ -216,29 +219,6 @@ class Engine:
                 f"least {bytes_per_block} bytes"
             )
         return HostKVTier(kv_caches, num_host_blocks)
-
-    def _make_proposer(self) -> Proposer | None:
-        spec = self.config.speculative
-        if spec.method is None:
-            return None
-        draft_dir = None
-        if spec.method == "draft_model" and spec.draft_model is not None:
-            draft_dir = resolve_model_path(spec.draft_model, progress=self.config.progress)
-        block_size = self.config.cache.block_size
-        lookahead_blocks = -(-spec.num_speculative_tokens // block_size) + 1
-        proposer = make_proposer(
-            self.config,
-            self.model,
-            target_dir=self.model_dir,
-            draft_dir=draft_dir,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=block_size,
-            # The drafter holds what the target holds, plus each request's draft lookahead.
-            num_blocks=self.num_blocks + self.config.scheduler.max_num_seqs * lookahead_blocks,
-            progress=self.config.progress,
-        )
-        return proposer
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any (idempotent)."""

@@ -12,6 +12,13 @@ Each step, `TPModelRunner.execute` broadcasts the plain-data SchedulerOutput ove
 group, then every rank runs its ModelRunner on it; the forward's collectives keep them in step.
 Every rank computes the full-vocabulary logits; rank 0's sampled tokens are the step's result.
 
+Speculation: every rank builds the same proposer, since a model drafter's forward runs
+collectives (DFlash splits like the target). Rank 0's proposer is a `TPProposer` that queues the
+engine's calls (remove, add_context, propose) and, at each propose or before the next step,
+broadcasts them as one `ProposerCalls`; every rank then makes the same calls in the same order.
+A worker takes each add_context's hidden states from its own step outputs (the residual stream
+is the same on every rank), so no tensor is sent. Rank 0's drafts are the ones used.
+
 Failure: a worker reports its exception over its pipe and exits; rank 0 checks the workers before
 each step and converts a failed collective into `TensorParallelError` naming the worker, its exit
 code and its error. Collectives time out after `parallel.worker_timeout_s`, so a worker that hangs
@@ -22,6 +29,7 @@ the ranks may no longer be in step. `shutdown` stops the workers (politely, then
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
@@ -53,6 +61,8 @@ from libkk.models.loader import read_arch_config
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
+from libkk.spec import build_proposer, runner_speculation
+from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
 
 logger = logging.getLogger("libkk")
 
@@ -66,7 +76,10 @@ def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
     if size == 1:
         return
     unsupported = {
-        "speculative.method": config.speculative.method is not None,
+        # A draft model's own runner and the start-up cost profiles would run collectives on
+        # rank 0 alone.
+        "speculative.method='draft_model'": config.speculative.method == "draft_model",
+        "speculative.adaptive_verification": config.speculative.adaptive_verification,
         "model.shared_host_tables": config.model.shared_host_tables,
         "cache.kv_offload_bytes": config.cache.kv_offload_bytes is not None,
     }
@@ -138,6 +151,7 @@ class TPExecutor:
         self.size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.worker_timeout_s
         self.failure: str | None = None
+        self.proposer: TPProposer | None = None
         self._closed = False
         self._ready = False  # every worker is in its step loop (a stop message reaches it)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -180,6 +194,11 @@ class TPExecutor:
         self._ready = True
         return TPModelRunner(runner, self)
 
+    def wrap_proposer(self, proposer: Proposer) -> TPProposer:
+        """Rank 0's proposer: its calls are made on every rank, in step."""
+        self.proposer = TPProposer(proposer, self)
+        return self.proposer
+
     # ---- steps ----------------------------------------------------------------------------
 
     def check_alive(self) -> None:
@@ -194,6 +213,8 @@ class TPExecutor:
                 self._fail(rank, "")
 
     def run_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.proposer is not None:
+            self.proposer.flush()  # calls queued since the last propose go first
         self.check_alive()
         self._in_step.set()
         try:
@@ -349,6 +370,76 @@ class TPModelRunner:
         return getattr(self.runner, name)
 
 
+@dataclasses.dataclass
+class ProposerCalls:
+    """Proposer calls rank 0 made since the last broadcast, in order: ("remove", request_id),
+    ("add_context", request_id, start_position) or ("propose", [ProposeRequest])."""
+
+    calls: list[tuple]
+
+
+class TPProposer(Proposer):
+    """Rank 0's proposer under tensor parallelism: each call is queued, then broadcast and made on
+    every rank at once (a drafter's forward is a collective). Its results are rank 0's."""
+
+    def __init__(self, proposer: Proposer, executor: TPExecutor) -> None:
+        self.proposer = proposer
+        self.executor = executor
+        self.target_layer_ids = tuple(proposer.target_layer_ids)
+        self._calls: list[tuple] = []
+        self._hidden: list[torch.Tensor | None] = []  # rank 0's add_context tensors, by call
+
+    def add_context(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        self._queue(("add_context", request_id, start_position), hidden)
+
+    def remove(self, request_id: str) -> None:
+        self._queue(("remove", request_id), None)
+
+    def propose(self, requests: list[ProposeRequest]) -> DraftProposal:
+        self._queue(("propose", list(requests)), None)
+        proposal = self.flush()
+        assert proposal is not None
+        return proposal
+
+    def flush(self) -> DraftProposal | None:
+        """Broadcasts the queued calls and makes them here; the last propose's result."""
+        if not self._calls:
+            return None
+        calls, hidden = self._calls, self._hidden
+        self._calls, self._hidden = [], []
+        proposal = None
+
+        def run() -> None:
+            nonlocal proposal
+            broadcast_object(ProposerCalls(calls))
+            for call, h in zip(calls, hidden, strict=True):
+                proposal = _make_call(self.proposer, call, h) or proposal
+
+        self.executor.check_alive()
+        self.executor._in_step.set()
+        try:
+            self.executor._guard(run)
+        finally:
+            self.executor._in_step.clear()
+        return proposal
+
+    def _queue(self, call: tuple, hidden: torch.Tensor | None) -> None:
+        self._calls.append(call)
+        self._hidden.append(hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.proposer, name)
+
+
+def _make_call(proposer: Proposer, call: tuple, hidden: torch.Tensor | None) -> Any:
+    kind = call[0]
+    if kind == "remove":
+        return proposer.remove(call[1])
+    if kind == "add_context":
+        return proposer.add_context(call[1], call[2], hidden)
+    return proposer.propose(call[1])
+
+
 class _WorkerProcess:
     """A worker: a fresh interpreter running `worker_entry` (not multiprocessing's spawn, which
     re-runs the caller's main module), with a socket pair for its start-up and error messages."""
@@ -495,6 +586,19 @@ def _worker_main(
             kv_dtype,
             device,
         )
+        # The same proposer and runner settings as rank 0 (the engine's order: the proposer's
+        # target layers are stashed by the forward the runner captures).
+        proposer = build_proposer(
+            config,
+            model,
+            target_dir=Path(model_dir),
+            device=device,
+            dtype=dtype,
+            num_target_blocks=plan["num_blocks"],
+        )
+        spec = runner_speculation(config, proposer)
+        if spec.aux_layers:
+            model.set_aux_hidden_layers(spec.aux_layers)
         runner = ModelRunner(
             model,
             kv_caches,
@@ -505,13 +609,29 @@ def _worker_main(
             max_model_len=plan["max_len"],
             capturable=not arch.is_moe,
             progress=False,
+            query_lens=spec.query_lens,
+            stash_aux_hidden=bool(spec.aux_layers),
         )
+        if proposer is not None:
+            runner.set_speculation(spec.aux_layers, spec.synthetic_rates)
         # Rank 0 samples: a worker's runner computes the logits (the vocabulary gather is a
         # collective every rank joins) and skips the sampler.
         runner.sampler = _NoSampler()
         conn.send(("ready",))
-        while (step := broadcast_object(None)) is not None:
-            runner.execute(step)
+        # Context hidden states of the steps since the last proposer calls, by request.
+        aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        while (msg := broadcast_object(None)) is not None:
+            if isinstance(msg, ProposerCalls):
+                assert proposer is not None
+                for call in msg.calls:
+                    hidden = None
+                    if call[0] == "add_context":
+                        start, hidden = aux_hidden[call[1]]
+                        assert start == call[2], (call, start)
+                    _make_call(proposer, call, hidden)
+                aux_hidden.clear()
+            else:
+                aux_hidden.update(runner.execute(msg).aux_hidden)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process exits
         code = 1
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,64 @@ def make_proposer(
         block_size=block_size,
         num_blocks=num_blocks,
         progress=progress,
+    )
+
+
+def build_proposer(
+    config: EngineConfig,
+    target_model: nn.Module,
+    *,
+    target_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_target_blocks: int,
+    progress: bool = False,
+) -> Proposer | None:
+    """The engine's proposer, None without speculation. Every tensor-parallel rank builds the
+    same one (a model drafter's forward runs collectives, so all ranks draft in step)."""
+    spec = config.speculative
+    if spec.method is None:
+        return None
+    draft_dir = None
+    if spec.method == "draft_model" and spec.draft_model is not None:
+        from libkk.models.default import resolve_model_path
+
+        draft_dir = resolve_model_path(spec.draft_model, progress=progress)
+    block_size = config.cache.block_size
+    lookahead_blocks = -(-spec.num_speculative_tokens // block_size) + 1
+    return make_proposer(
+        config,
+        target_model,
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        # The drafter holds what the target holds, plus each request's draft lookahead.
+        num_blocks=num_target_blocks + config.scheduler.max_num_seqs * lookahead_blocks,
+        progress=progress,
+    )
+
+
+@dataclass(frozen=True)
+class RunnerSpeculation:
+    """What the target's model runner needs for a proposer."""
+
+    aux_layers: tuple[int, ...] = ()  # target layers whose hidden states each step returns
+    query_lens: tuple[int, ...] = (1,)  # tokens per request of the captured graphs
+    synthetic_rates: list[float] | None = None  # benchmarks: accept at these rates
+
+
+def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> RunnerSpeculation:
+    if proposer is None:
+        return RunnerSpeculation()
+    spec = config.speculative
+    synthetic = spec.rejection_sample_method == "synthetic"
+    return RunnerSpeculation(
+        aux_layers=tuple(proposer.target_layer_ids),
+        # Verification batches (up to 1 + K tokens per request) replay graphs too.
+        query_lens=(1, 1 + spec.num_speculative_tokens),
+        synthetic_rates=spec.synthetic_acceptance_rates if synthetic else None,
     )
 
 
