@@ -131,7 +131,7 @@ def test_random_load_matches_sync(tiny_llama_dir):
     """Many requests of random lengths and limits through a small pool and a small budget:
     chunks, decodes, admissions and preemptions interleave."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))] for _ in range(40)]
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))] for _ in range(24)]
     params = [
         SamplingParams(
             max_tokens=rng.randint(1, 10),
@@ -139,7 +139,7 @@ def test_random_load_matches_sync(tiny_llama_dir):
             seed=i,
             stop_token_ids=[rng.randrange(3, 49152)],
         )
-        for i in range(40)
+        for i in range(24)
     ]
     sync, async_, stats = both_modes(
         tiny_llama_dir,
@@ -321,3 +321,110 @@ def test_device_sampling_matches_the_sampler():
     assert sample_token_ids(logits[greedy].clone(), [rows[i] for i in greedy]).tolist() == [
         expected[i] for i in greedy
     ]
+
+
+# ---- the scheduler alone: a fake model whose token depends on (request, position) only ---------
+
+
+def _fake_token(rid: str, position: int) -> int:
+    return (sum(map(ord, rid)) * 131 + position * 17) % 50  # 0 is the stop token
+
+
+def _make_requests(seed: int):
+    from libkk.engine.request import Request
+
+    rng = random.Random(seed)
+    return [
+        Request(
+            f"q{i}",
+            [rng.randrange(1, 50) for _ in range(rng.randint(1, 30))],
+            SamplingParams(max_tokens=12),
+            seed=0,
+            eos_token_ids=frozenset({0}),
+            max_tokens=rng.randint(1, 12),
+            arrival_time=0.0,
+        )
+        for i in range(16)
+    ]
+
+
+def _simulate(requests, async_scheduling: bool, counts) -> dict:
+    """Runs the scheduler to completion over a fake runner that checks every input token against
+    the true sequence (in-flight placeholders replaced by the previous step's sampled ids, as the
+    runner gathers them); returns each request's output tokens and finish reason."""
+    from libkk.cache.kv_cache_manager import KVCacheManager
+    from libkk.config import SchedulerConfig
+    from libkk.engine.scheduler import Scheduler
+    from libkk.runtime.io import ModelRunnerOutput
+
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_caching=True)
+    s = Scheduler(cfg, kv)
+    truth = {r.request_id: list(r.prompt_token_ids) for r in requests}
+    by_id = {r.request_id: r for r in requests}
+    for r in requests:
+        s.add_request(r)
+    preempt = s._preempt
+
+    def counting_preempt(request, out):
+        counts["preempted_in_flight"] += request.num_pending_tokens
+        preempt(request, out)
+
+    s._preempt = counting_preempt
+
+    def launch(out):
+        sampled = ModelRunnerOutput()
+        for r in out.requests:
+            inputs = list(r.token_ids)
+            if r.last_token_in_flight:
+                counts["placeholders"] += 1
+                inputs[-1] = in_flight[r.request_id]
+            start = r.num_computed_tokens
+            assert PLACEHOLDER_TOKEN_ID not in inputs
+            assert inputs == truth[r.request_id][start : start + len(inputs)]
+            if r.sampling is not None:
+                token = _fake_token(r.request_id, r.sampling.position)
+                assert r.sampling.position == len(truth[r.request_id])
+                truth[r.request_id].append(token)
+                sampled.sampled_token_ids[r.request_id] = [token]
+        return sampled
+
+    in_flight: dict[str, int] = {}
+    pending = None
+    for _ in range(1000):
+        if not s.num_unfinished:
+            break
+        out = s.schedule()
+        kv.check_invariants()
+        if out.empty:
+            assert async_scheduling and pending is not None, "stalled"
+        else:
+            result = launch(out)
+            if not async_scheduling:
+                s.update(out, result, 1.0)
+                continue
+            s.after_launch(out)
+            in_flight = {rid: t for rid, [t] in result.sampled_token_ids.items()}
+            launched = (out, result, {rid: by_id[rid] for rid in result.sampled_token_ids})
+        if pending is not None:
+            s.resolve(pending[2], pending[1], pending[0], 1.0)
+        pending = None if out.empty else launched
+    assert not s.num_unfinished and kv.num_free_blocks == 19
+    # Requests that stopped while their next step was already launched: that token was dropped.
+    counts["discarded"] += sum(len(truth[r.request_id]) > len(r.all_token_ids) for r in requests)
+    return {r.request_id: (r.output_token_ids, r.status.finish_reason) for r in requests}
+
+
+def test_scheduler_async_equals_sync_with_a_fake_model():
+    counts = {"placeholders": 0, "preempted_in_flight": 0, "discarded": 0}
+    reasons = set()
+    for seed in range(12):
+        discarded = counts["discarded"]
+        sync = _simulate(_make_requests(seed), False, counts)
+        assert counts["discarded"] == discarded  # synchronous steps never compute a dropped token
+        assert _simulate(_make_requests(seed), True, counts) == sync
+        reasons |= {reason for _, reason in sync.values()}
+    assert reasons == {"stop", "length"}
+    assert counts["discarded"] > 0
+    assert counts["placeholders"] > 100
+    assert counts["preempted_in_flight"] > 0  # its token arrives while it waits
