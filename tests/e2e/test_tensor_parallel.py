@@ -188,11 +188,11 @@ def test_unsupported_splits_fail_before_any_worker_starts(model_dirs):
         Session(str(model_dirs["llama"]), tensor_parallel_size=3, **SETTINGS)
     with pytest.raises(ConfigError, match="num_key_value_heads=6"):
         Session(str(model_dirs["qwen3"]), tensor_parallel_size=4, **SETTINGS)
-    with pytest.raises(ConfigError, match="speculative.method is not supported"):
+    with pytest.raises(ConfigError, match="speculative.method='draft_model' is not supported"):
         Session(
             str(model_dirs["llama"]),
             tensor_parallel_size=2,
-            speculative={"method": "ngram"},
+            speculative={"method": "draft_model", "draft_model": str(model_dirs["llama"])},
             **SETTINGS,
         )
     assert time.monotonic() - start < 10.0  # no worker was started (each takes seconds)
@@ -212,3 +212,43 @@ def test_cli_tensor_parallel_size(tiny_llama_dir):
     one = _cli(tiny_llama_dir)
     two = _cli(tiny_llama_dir, "--tensor-parallel-size", "2")
     assert one.strip() and two == one
+
+
+@pytest.fixture(scope="module")
+def qwen3_drafter_dir(tmp_path_factory) -> Path:
+    """A random DFlash drafter for the tiny Qwen3 (hidden 48, vocab 250): 4 heads, 2 KV heads,
+    so it splits at tp=2."""
+    from libkk.spec.dflash import DFlashConfig, save_drafter
+    from libkk.spec.train import init_drafter
+
+    config = DFlashConfig(
+        hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=12, vocab_size=250, target_layer_ids=(0, 1), mask_token_id=3, block_size=5,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    drafter = init_drafter(config, seed=1)
+    return save_drafter(drafter, tmp_path_factory.mktemp("qwen3-drafter"), dtype=torch.float32)
+
+
+def _run_spec(path: Path, tp: int, spec: dict) -> tuple[list[list[int]], dict]:
+    with Session(str(path), tensor_parallel_size=tp, speculative=spec, **SETTINGS) as session:
+        outs = session.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+        return [o.token_ids for o in outs], session.stats()
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_speculation_at_tp2_matches_tp1(model_dirs, qwen3_drafter_dir, method):
+    """Greedy tokens with speculation at tp=2 equal the plain tp=1 run, and the drafts (hence the
+    accepted counts) equal those of speculation at tp=1: every rank drafts in step, and the DFlash
+    drafter's split gives rank 0 the same drafts."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "dflash":
+        spec["draft_model"] = str(qwen3_drafter_dir)
+    path = model_dirs["qwen3"]
+    plain, _ = _run_spec(path, 1, {})
+    one, one_stats = _run_spec(path, 1, spec)
+    two, two_stats = _run_spec(path, 2, spec)
+    assert one == plain and two == plain
+    assert one_stats["spec_num_verify_steps"] > 0
+    for key in ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+        assert two_stats[key] == one_stats[key], key
