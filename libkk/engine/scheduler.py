@@ -80,6 +80,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         request.clear_drafts()
+        request.num_pending_tokens = 0  # an in-flight token of a finished request is dropped
         request.status = status
         request.timeline.finished = time.monotonic()
         return request
@@ -310,6 +311,7 @@ class Scheduler:
                     self.waiting.remove(request)
                 del self.requests[rid]
                 self.kv_cache.free(request)
+                request.num_pending_tokens = 0  # the next step's token, if launched, is dropped
                 timeline.finished = now
         return updated
 
