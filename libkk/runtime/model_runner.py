@@ -259,6 +259,11 @@ class ModelRunner:
             src.append(row)
         if not dst:
             return
+        if self.host_embeddings:
+            raise RuntimeError(
+                "host-table embeddings gather rows from host token ids: they cannot take tokens "
+                "still in flight (async scheduling)"
+            )
         rows = _to_device(src, self.device)
         places = _to_device(dst, self.device)
         batch.input_ids.index_copy_(0, places, self._in_flight_ids.index_select(0, rows))
