@@ -76,7 +76,7 @@ class ModelRunnerOutput:
 @dataclass
 class LaunchedStep:
     """A step enqueued on the device whose sampled ids are on their way to the host (async
-    scheduling). `wait` blocks until they arrive."""
+    scheduling). `wait` blocks until they arrive. Not plain data: it stays in this process."""
 
     # The requests that sample this step, in the order of `token_ids`.
     request_ids: list[str]
