@@ -157,6 +157,10 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
     # profiled at start-up (libkk/engine/adaptive.py); the output is unchanged.
     adaptive_verification: bool = False
+    # Tensor parallelism, DFlash: greedy drafts are picked from each rank's vocabulary shard
+    # with one small gather of (max, token) per row instead of gathering [rows, vocab] logits.
+    # Rows it does not cover (penalties, banned ids, probabilistic drafts) use the full rows.
+    vocab_parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
         m = self.method
@@ -171,6 +175,8 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.vocab_parallel_drafting and m != "dflash":
+            raise ValueError(f"vocab_parallel_drafting needs method 'dflash', not {m!r}")
         if m == "ngram" and self.draft_sampling != "greedy":
             raise ValueError("draft_sampling='probabilistic' needs a model drafter, not 'ngram'")
         rates = self.synthetic_acceptance_rates

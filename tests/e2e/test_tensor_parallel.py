@@ -236,14 +236,16 @@ def _run_spec(path: Path, tp: int, spec: dict) -> tuple[list[list[int]], dict]:
         return [o.token_ids for o in outs], session.stats()
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram"])
+@pytest.mark.parametrize("method", ["dflash", "dflash-vocab-parallel", "ngram"])
 def test_speculation_at_tp2_matches_tp1(model_dirs, qwen3_drafter_dir, method):
     """Greedy tokens with speculation at tp=2 equal the plain tp=1 run, and the drafts (hence the
     accepted counts) equal those of speculation at tp=1: every rank drafts in step, and the DFlash
-    drafter's split gives rank 0 the same drafts."""
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "dflash":
+    drafter's split (and its vocab-parallel greedy drafts) gives rank 0 the same drafts."""
+    spec = {"method": method.split("-")[0], "num_speculative_tokens": 3}
+    if method.startswith("dflash"):
         spec["draft_model"] = str(qwen3_drafter_dir)
+    if method == "dflash-vocab-parallel":
+        spec["vocab_parallel_drafting"] = True
     path = model_dirs["qwen3"]
     plain, _ = _run_spec(path, 1, {})
     one, one_stats = _run_spec(path, 1, spec)

@@ -54,6 +54,7 @@ def test_defaults_and_flat_names():
         (dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.5]), "needs a"),
         (dict(adaptive_verification=True), "needs a speculative method"),
         (dict(method="ngram", draft_sampling="sometimes"), "draft_sampling"),
+        (dict(method="ngram", vocab_parallel_drafting=True), "needs method 'dflash'"),
     ],
 )
 def test_bad_combinations_raise_config_error(settings, match):

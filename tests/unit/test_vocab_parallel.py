@@ -18,7 +18,9 @@ from libkk.spec.vocab_parallel import (
     VERIFY_STATS,
     VerifyPlan,
     combine_final_stats,
+    combine_greedy_stats,
     final_shard_stats,
+    greedy_draft_stats,
     sample_draft_full,
     stack_gather,
     vocab_parallel_draft,
@@ -282,3 +284,18 @@ def test_bad_inputs_raise() -> None:
         vocab_parallel_draft(
             [c["draft_logits"][:, 0]], [0], c["temps"], c["seeds"][:3], c["positions"]
         )
+
+
+@pytest.mark.parametrize("sizes", [[7, 7, 6], [20], [1, 9, 10]])
+def test_greedy_shard_stats_give_the_full_row_argmax(sizes: list[int]) -> None:
+    """(max, token) per shard, merged: argmax of the whole row, ties to the lowest id, with
+    all-negative rows (a padded shard's zero columns must not be passed in)."""
+    g = torch.Generator().manual_seed(4)
+    vocab = sum(sizes)
+    logits = torch.randn(40, vocab, generator=g) - 10.0
+    logits[:10] = torch.randint(0, 3, (10, vocab), generator=g).float()  # many exact ties
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stats = [
+        greedy_draft_stats(logits[:, s : s + n], s) for s, n in zip(starts, sizes, strict=True)
+    ]
+    assert torch.equal(combine_greedy_stats(torch.stack(stats)), logits.argmax(dim=-1))
