@@ -21,7 +21,8 @@ drafts.
 Async scheduling (engine.py) schedules step k before step k-1's tokens reach the host: counts
 advance at launch (`after_launch`), a token in flight is `Request.num_pending_tokens` and a
 placeholder in the scheduled token ids, and `resolve` appends it when it arrives. A request whose
-in-flight tokens reach max_tokens is not scheduled again.
+in-flight tokens reach max_tokens is not scheduled again. A step's time is charged to the prefill /
+decode share when its tokens arrive, one step later than in synchronous mode.
 """
 
 from __future__ import annotations

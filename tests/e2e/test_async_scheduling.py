@@ -287,6 +287,38 @@ def test_cuda_graphs_match_sync(tiny_llama_dir):
     assert stats["num_steps"] > 10
 
 
+@pytest.mark.gpu
+def test_cuda_decode_launch_never_waits_for_the_device(tiny_llama_dir):
+    """Launching a greedy decode step (graph replay, sampling, the copy back) makes no call that
+    waits for the device: torch's sync debug mode turns any such call into an error."""
+    import torch
+
+    settings = dict(device="cuda", dtype="float32", torch_compile=False, progress=False)
+    with Session(str(tiny_llama_dir), async_scheduling=True, **settings) as s:
+        launch = s.engine.runner.launch
+        checked, errors = [], []
+
+        def strict_launch(sched_out):
+            if not all(r.num_new_tokens == 1 for r in sched_out.requests):
+                return launch(sched_out)  # prefill runs eagerly: not checked
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                result = launch(sched_out)
+            except RuntimeError as e:
+                errors.append(e)  # the engine would retry the requests one by one: keep it
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked.append(sched_out)
+            return result
+
+        s.engine.runner.launch = strict_launch
+        outs = s.generate(PROMPTS[:4], [GREEDY] * 4)
+    assert not errors, errors[0]
+    assert len(checked) >= GREEDY.max_tokens - 2
+    assert all(o.finish_reason == "length" for o in outs)
+
+
 def test_device_sampling_matches_the_sampler():
     """The runner's device-tensor sampling picks what Sampler picks, row for row."""
     import torch
