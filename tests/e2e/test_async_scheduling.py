@@ -178,6 +178,33 @@ def test_abort_mid_generation(tiny_llama_dir, reference):
     assert got[a][-1].token_ids == reference[0].token_ids
 
 
+def test_id_reused_while_the_aborted_requests_token_is_in_flight(tiny_llama_dir, reference):
+    """Through the engine: abort a request and add a new one with its id while the old one's
+    token is still in flight; that token never reaches the new request."""
+    with Session(str(tiny_llama_dir), async_scheduling=True) as s:
+        engine = s.engine
+
+        def add(rid, prompt):
+            engine.add_request(engine.make_request(rid, prompt, GREEDY, 0.0))
+
+        add("a", PROMPTS[0])
+        add("x", PROMPTS[1])
+        outs: dict[str, list] = {"a": [], "x": []}
+        for _ in range(3):
+            for o in engine.step():
+                outs[o.request_id].append(o)
+        assert engine._in_flight is not None and "x" in engine._in_flight.sampled
+        aborted = engine.abort_request("x")
+        add("x", PROMPTS[2])
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                outs[o.request_id].append(o)
+    assert aborted.finish_reason == "abort"
+    assert aborted.token_ids == reference[1].token_ids[: len(aborted.token_ids)]
+    assert outs["a"][-1].token_ids == reference[0].token_ids
+    assert outs["x"][-1].token_ids == reference[2].token_ids
+
+
 def test_failed_request_is_isolated(tiny_llama_dir, reference):
     """A launch that fails because of one request: that request ends with an error, the others
     still give the synchronous tokens."""
