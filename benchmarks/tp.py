@@ -11,7 +11,13 @@ The 30B-A3B shape runs with --moe-layers layers (48 in the real model) so that w
 loading it fits the run. Results are written to --out after every case, so a run cut short keeps
 what it measured; a case that fails or runs out of time is recorded with its error.
 
+`--drafting` adds, per TP, decode with DFlash speculation (a random one-layer drafter at the
+shape, K = 7) with full-vocabulary drafting and, at TP > 1, with `vocab_parallel_drafting`: the
+difference in ms per step is what the vocab-parallel greedy drafts save (random weights accept
+almost nothing, so both runs do the same work apart from the drafter's logits).
+
     python benchmarks/tp.py [--tp 1 2] [--shapes qwen3-8b qwen3-30b-a3b] [--budget-s 540]
+    python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting
 """
 
 from __future__ import annotations
@@ -46,6 +52,14 @@ def run_case(args: argparse.Namespace) -> dict:
 
     path = Path(args.dir) / args.case_shape
     batches = args.batch
+    speculative = {}
+    if args.case_drafting != "none":
+        speculative = {
+            "method": "dflash",
+            "draft_model": str(Path(args.dir) / f"{args.case_shape}-dflash"),
+            "num_speculative_tokens": 7,
+            "vocab_parallel_drafting": args.case_drafting == "vocab-parallel",
+        }
     started = time.perf_counter()
     with Session(
         str(path),
@@ -58,6 +72,7 @@ def run_case(args: argparse.Namespace) -> dict:
         torch_compile=args.compile,
         worker_timeout_s=120.0,
         progress=False,
+        speculative=speculative,
     ) as s:
         start_s = time.perf_counter() - started
         vocab = s.engine.arch.vocab_size
@@ -77,6 +92,8 @@ def run_case(args: argparse.Namespace) -> dict:
                 "tok_per_s": batch * 1e3 / statistics.median(steps),
             }
             print(f"  batch {batch}: {statistics.median(steps):.2f} ms/step", flush=True)
+        if speculative:  # decode only
+            return result
         ttft = []
         for i in range(args.repeats):
             ids = decode.prompts(1, args.prefill_len, vocab, seed=1000 + i)
@@ -107,9 +124,11 @@ def main() -> None:
     ap.add_argument("--case-timeout-s", type=float, default=300.0)
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="tp.json")
+    ap.add_argument("--drafting", action="store_true", help="DFlash drafting cases (see above)")
     # internal: run one case in this process and print its JSON on the last line
     ap.add_argument("--case-shape", help=argparse.SUPPRESS)
     ap.add_argument("--case-tp", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--case-drafting", default="none", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.case_shape:
@@ -129,24 +148,59 @@ def main() -> None:
         name = _shape_name(shape, args.moe_layers)
         start = time.monotonic()
         decode.write_checkpoint(name, Path(args.dir) / name, "cuda" if gpus else "cpu")
+        if args.drafting:
+            _write_drafter(name, Path(args.dir))
         print(f"{name}: checkpoint ready in {time.monotonic() - start:.0f} s", flush=True)
         for tp in args.tp:
-            case = {"shape": name, "tp": tp}
-            left = args.budget_s - (time.monotonic() - t0)
-            if gpus and tp > gpus:  # (no GPU at all: a CPU trial run, gloo workers)
-                case["error"] = f"needs {tp} GPUs, {gpus} visible"
-            elif left < 30:
-                case["error"] = "not run: time budget spent"
-            else:
-                case |= _run_subprocess(args, name, tp, min(args.case_timeout_s, left))
-            report["cases"].append(case)
-            out.write_text(json.dumps(report, indent=2))
-            print(json.dumps(case), flush=True)
+            draftings = ["none"]
+            if args.drafting:
+                draftings = ["full-vocab"] + (["vocab-parallel"] if tp > 1 else [])
+            for drafting in draftings:
+                case = {"shape": name, "tp": tp, "drafting": drafting}
+                left = args.budget_s - (time.monotonic() - t0)
+                if gpus and tp > gpus:  # (no GPU at all: a CPU trial run, gloo workers)
+                    case["error"] = f"needs {tp} GPUs, {gpus} visible"
+                elif left < 30:
+                    case["error"] = "not run: time budget spent"
+                else:
+                    timeout = min(args.case_timeout_s, left)
+                    case |= _run_subprocess(args, name, tp, drafting, timeout)
+                report["cases"].append(case)
+                out.write_text(json.dumps(report, indent=2))
+                print(json.dumps(case), flush=True)
     _print_table(report)
 
 
-def _run_subprocess(args: argparse.Namespace, shape: str, tp: int, timeout: float) -> dict:
+def _write_drafter(shape: str, folder: Path) -> None:
+    """A random one-layer DFlash drafter for `shape` (K = 7), beside its checkpoint."""
+    from libkk.spec.dflash import DFlashConfig, default_target_layer_ids, save_drafter
+    from libkk.spec.train import init_drafter
+
+    path = folder / f"{shape}-dflash"
+    if path.exists():
+        return
+    cfg = {**decode.COMMON, **decode.SHAPES[shape]}
+    layers = cfg["num_hidden_layers"]
+    config = DFlashConfig(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+        num_layers=1,
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        vocab_size=cfg["vocab_size"],
+        target_layer_ids=default_target_layer_ids(layers, min(3, layers)),
+        mask_token_id=cfg["vocab_size"] - 1,
+        block_size=8,
+    )
+    save_drafter(init_drafter(config, seed=0), path, dtype=torch.bfloat16)
+
+
+def _run_subprocess(
+    args: argparse.Namespace, shape: str, tp: int, drafting: str, timeout: float
+) -> dict:
     cmd = [sys.executable, __file__, "--case-shape", shape, "--case-tp", str(tp)]
+    cmd += ["--case-drafting", drafting]
     for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
@@ -174,17 +228,17 @@ def _print_table(report: dict) -> None:
     print(f"\ntensor parallelism, {report['gpu']} x{report['gpus']}")
     batches = report["settings"]["batch"]
     head = "".join(f"{f'b{b} ms':>10}{f'b{b} tok/s':>12}" for b in batches)
-    print(f"{'shape':<22}{'TP':>3}{head}{'prefill ms':>12}{'prefill tok/s':>15}")
+    print(f"{'shape':<22}{'TP':>3}{'drafting':>16}{head}{'prefill ms':>12}{'prefill tok/s':>15}")
     for case in report["cases"]:
-        row = f"{case['shape']:<22}{case['tp']:>3}"
+        row = f"{case['shape']:<22}{case['tp']:>3}{case['drafting']:>16}"
         if "error" in case:
             print(row + f"  {case['error']}")
             continue
         for b in batches:
             d = case["decode"][str(b)]
             row += f"{d['ms_per_step']:>10.2f}{d['tok_per_s']:>12.0f}"
-        p = case["prefill"]
-        print(row + f"{p['ttft_ms']:>12.1f}{p['tok_per_s']:>15.0f}")
+        p = case.get("prefill")
+        print(row + (f"{p['ttft_ms']:>12.1f}{p['tok_per_s']:>15.0f}" if p else ""))
 
 
 if __name__ == "__main__":

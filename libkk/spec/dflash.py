@@ -149,8 +149,9 @@ class DFlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 problems.append(f"{name} must be >= 1")
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
-            problems.append(f"target_layer_ids {list(self.target_layer_ids)} must be >= 0, 1+")
+        ids = list(self.target_layer_ids)
+        if not ids or min(ids) < 0 or len(set(ids)) < len(ids):
+            problems.append(f"target_layer_ids {ids} must be distinct layers >= 0, one or more")
         if self.block_size < 2:
             problems.append(f"block_size {self.block_size} must be >= 2 (anchor + 1 mask)")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -854,8 +855,10 @@ def _num_target_layers(target: nn.Module) -> int | None:
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """`count` layers spread evenly from layer 1 to num_target_layers - 3 (DFlash's choice)."""
+    """`count` layers spread evenly from layer 1 to num_target_layers - 3 (DFlash's choice);
+    fewer on a target too shallow for `count` distinct layers there."""
     if count == 1:
         return (num_target_layers // 2,)
     start, end = 1, max(1, num_target_layers - 3)
-    return tuple(round(start + (end - start) * i / (count - 1)) for i in range(count))
+    spread = (round(start + (end - start) * i / (count - 1)) for i in range(count))
+    return tuple(dict.fromkeys(spread))  # distinct, in order

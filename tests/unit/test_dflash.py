@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from libkk.errors import CorruptCheckpointError
 from libkk.models.arch_config import parse_arch_config
 from libkk.models.llama import LlamaForCausalLM
 from libkk.quant.formats import dequantize_fp8_block, quantize_fp8_block
@@ -22,6 +23,7 @@ from libkk.spec.dflash import (
     SHIPPED_DRAFTER,
     DFlashConfig,
     DFlashProposer,
+    default_target_layer_ids,
     load_drafter,
     read_drafter_config,
     save_drafter,
@@ -539,3 +541,13 @@ def test_engine_default_model_uses_the_shipped_drafter(default_model_dir) -> Non
         stats = s.stats()
     assert out.token_ids == plain
     assert stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_target_layers_are_distinct() -> None:
+    assert default_target_layer_ids(36, 3) == (1, 17, 33)
+    assert default_target_layer_ids(2, 3) == (1,)  # too shallow for three distinct layers
+    with pytest.raises(CorruptCheckpointError, match="distinct"):
+        DFlashConfig(
+            hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+            head_dim=4, vocab_size=10, target_layer_ids=(1, 1), mask_token_id=2, block_size=3,
+        ).check()  # fmt: skip
