@@ -556,7 +556,9 @@ def _gate_up_kernel(
         xe = tl.load(x_ptrs, mask=amask, other=0.0)
         xo = tl.load(x_ptrs + 1, mask=amask, other=0.0)
         wmask = kmask[:, None] & nmask[None, :]
-        wg_ptrs = w_base + n[None, :] * stride_wn + (kk // 2)[:, None]
+        # Byte offsets as k0/2 + j (not kk // 2), so the compiler sees them contiguous and can
+        # vectorize the packed-weight loads.
+        wg_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
         sg_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
         ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, DT, IS_NVFP4)
         ue, uo = _w4_tile(
@@ -629,7 +631,7 @@ def _down_kernel(
         ae = tl.load(a_ptrs, mask=amask, other=0.0)
         ao = tl.load(a_ptrs + 1, mask=amask, other=0.0)
         wmask = kmask[:, None] & nmask[None, :]
-        w_ptrs = w_base + n[None, :] * stride_wn + (kk // 2)[:, None]
+        w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]  # contiguous bytes
         s_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
         we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, DT, IS_NVFP4)
         acc = tl.dot(ae, we, acc, input_precision=PRECISION)
