@@ -7,6 +7,7 @@ from libkk.dist.collectives import (
 )
 from libkk.dist.parallel_state import (
     TPState,
+    as_rank,
     destroy_tensor_parallel,
     get_tp_rank,
     get_tp_size,
@@ -19,6 +20,7 @@ __all__ = [
     "TPState",
     "all_gather_last_dim",
     "all_reduce",
+    "as_rank",
     "broadcast_object",
     "destroy_tensor_parallel",
     "get_tp_rank",

@@ -7,6 +7,8 @@ answers as a single process (rank 0 of 1), so layers built without TP are unchan
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -96,3 +98,17 @@ def destroy_tensor_parallel() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer may be gone already; nothing left to free
             pass
+
+
+@contextmanager
+def as_rank(rank: int, size: int) -> Iterator[None]:
+    """Builds and loads layers as rank `rank` of `size` ranks, with no group: for what needs only
+    the shard geometry (each rank's slices; loading runs no collective). No collective may run
+    inside."""
+    global _state
+    previous = _state
+    _state = TPState(rank=rank, world_size=size, backend="gloo", group=None, control_group=None)
+    try:
+        yield
+    finally:
+        _state = previous

@@ -8,31 +8,18 @@ record what each rank actually reads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import libkk.dist.parallel_state as ps
 import libkk.models.loader as loader_mod
+from libkk.dist import as_rank
 from libkk.errors import ConfigError
 from libkk.models.loader import load_model
 from libkk.models.quantize import quantize_checkpoint
 
 CPU = torch.device("cpu")
-
-
-@contextlib.contextmanager
-def as_rank(rank: int, size: int) -> Iterator[None]:
-    """Builds layers as rank `rank` of `size` (no group: loading needs none)."""
-    previous = ps._state
-    ps._state = ps.TPState(rank=rank, world_size=size, backend="gloo", group=None,
-                           control_group=None)  # fmt: skip
-    try:
-        yield
-    finally:
-        ps._state = previous
 
 
 class _Recorder:

@@ -4,13 +4,10 @@ put side by side are bit-identical to the replicated projection."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-import libkk.dist.parallel_state as ps
+from libkk.dist import as_rank
 from libkk.errors import ConfigError
 from libkk.layers.linear import linear
 from libkk.spec.dflash import DFlashConfig, load_drafter, save_drafter
@@ -29,17 +26,6 @@ CONFIG = DFlashConfig(
     block_size=5,
     max_position_embeddings=128,
 )
-
-
-@contextlib.contextmanager
-def as_rank(rank: int, size: int) -> Iterator[None]:
-    previous = ps._state
-    ps._state = ps.TPState(rank=rank, world_size=size, backend="gloo", group=None,
-                           control_group=None)  # fmt: skip
-    try:
-        yield
-    finally:
-        ps._state = previous
 
 
 @pytest.fixture(scope="module")
