@@ -74,6 +74,52 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class LogprobTensors:
+    """Logprobs of the sampled tokens for the sampling rows that ask for them, as tensors (on the
+    device until copied): built into TokenLogprobs once on the host."""
+
+    rows: list[int]  # the sampling rows that asked, in order
+    num_top: list[int]  # how many top entries each of them asked for
+    sampled: torch.Tensor  # [W] fp32, the sampled token's logprob
+    rank: torch.Tensor  # [W] int64, 1 + the tokens strictly more likely
+    top_logprobs: torch.Tensor  # [W, n] fp32, best first (n = max(num_top))
+    top_ids: torch.Tensor  # [W, n] int64
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> LogprobTensors:
+        """A copy whose tensors live on `device` (pinned memory for an asynchronous copy to the
+        host of CUDA tensors)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if not (non_blocking and t.is_cuda):
+                return t.to(device)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        return LogprobTensors(
+            self.rows,
+            self.num_top,
+            move(self.sampled),
+            move(self.rank),
+            move(self.top_logprobs),
+            move(self.top_ids),
+        )
+
+    def build(self, token_ids: list[int], num_rows: int) -> list[TokenLogprobs | None]:
+        """One entry per sampling row (None for rows that did not ask); host tensors only."""
+        result: list[TokenLogprobs | None] = [None] * num_rows
+        sampled, rank = self.sampled.tolist(), self.rank.tolist()
+        top_lp, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+        for j, (i, n) in enumerate(zip(self.rows, self.num_top, strict=True)):
+            result[i] = TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=sampled[j],
+                rank=rank[j],
+                top=list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
+            )
+        return result
+
+
+@dataclass
 class LaunchedStep:
     """A step enqueued on the device whose sampled ids are on their way to the host (async
     scheduling). `wait` blocks until they arrive. Not plain data: it stays in this process."""
@@ -82,17 +128,21 @@ class LaunchedStep:
     request_ids: list[str]
     # [num_sampling_requests] int64 on the host (pinned on CUDA), valid once `copied` completed.
     token_ids: torch.Tensor
-    # Recorded after the device->host copy; None when the copy is already complete (CPU).
+    # Recorded after the device->host copies; None when the copies are already complete (CPU).
     copied: torch.cuda.Event | None
-    logprobs: list[TokenLogprobs | None]
+    # On the host like token_ids; None when no row asked for logprobs.
+    logprobs: LogprobTensors | None = None
 
     def wait(self) -> ModelRunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
+        token_ids = self.token_ids.tolist()
+        num_rows = len(token_ids)
+        logprobs = (
+            [None] * num_rows if self.logprobs is None else self.logprobs.build(token_ids, num_rows)
+        )
         out = ModelRunnerOutput()
-        for rid, token, lp in zip(
-            self.request_ids, self.token_ids.tolist(), self.logprobs, strict=True
-        ):
+        for rid, token, lp in zip(self.request_ids, token_ids, logprobs, strict=True):
             out.sampled_token_ids[rid] = [token]
             out.logprobs[rid] = [lp]
         return out

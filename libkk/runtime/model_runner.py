@@ -20,16 +20,11 @@ from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_di
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
-from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, LogprobTensors, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.verify import verify
-from libkk.sample.sampler import (
-    Sampler,
-    SamplingRow,
-    TokenLogprobs,
-    _logprobs,
-    _sample_random,
-    apply_penalties,
-)
+from libkk.sample.gumbel import gumbel_argmax
+from libkk.sample.params import SamplingParams
+from libkk.sample.sampler import Sampler, SamplingRow, _sample_random, apply_penalties
 
 
 class ModelRunner:
@@ -215,7 +210,7 @@ class ModelRunner:
 
         Tokens marked `last_token_in_flight` are read from the previous launched step's device
         ids. On CUDA the host waits only where sampling itself reads device values (top-k/top-p
-        candidate checks, logprobs); greedy and plain temperature rows never wait.
+        candidate checks); greedy and plain temperature rows and logprobs never wait.
         """
         batch = build_input_batch(sched_out, self.block_size, self.device)
         self._gather_in_flight_inputs(sched_out, batch)
@@ -223,22 +218,21 @@ class ModelRunner:
         request_ids = batch.sampling_request_ids
         if not request_ids:
             self._in_flight_ids, self._in_flight_rows = None, {}
-            return LaunchedStep([], torch.empty(0, dtype=torch.int64), None, [])
+            return LaunchedStep([], torch.empty(0, dtype=torch.int64), None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         token_ids = sample_token_ids(logits, batch.sampling_rows)  # [S] int64, on the device
-        logprobs: list[TokenLogprobs | None] = [None] * len(request_ids)
-        if any(row.params.logprobs is not None for row in batch.sampling_rows):
-            logprobs = token_logprobs(logits, token_ids, batch.sampling_rows)
+        logprobs = logprob_tensors(logits, token_ids, batch.sampling_rows)
         self._in_flight_ids = token_ids
         self._in_flight_rows = {rid: i for i, rid in enumerate(request_ids)}
         copied = None
+        host = token_ids
         if token_ids.is_cuda:
             host = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(token_ids, non_blocking=True)
+            if logprobs is not None:
+                logprobs = logprobs.to("cpu", non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        else:
-            host = token_ids
         return LaunchedStep(list(request_ids), host, copied, logprobs)
 
     def _gather_in_flight_inputs(self, sched_out: SchedulerOutput, batch: InputBatch) -> None:
@@ -349,32 +343,71 @@ def sample_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     """The tokens `Sampler` picks for `rows` (same ops, same results), left on the device.
 
     logits [S, vocab] -> [S] int64. NOTE: Sampler returns host lists; async scheduling needs
-    the ids as a device tensor, so this follows Sampler.__call__ up to its host copy.
+    the ids as a device tensor, so this follows Sampler.__call__ up to its host copy. Random rows
+    without top-k, top-p or min-p take the keyed Gumbel-max directly: Sampler's filter path
+    reads device values on the host (a wait for the step), and with no filter it is the same
+    argmax over the same temperature-scaled logits. Rows are independent, so the split does not
+    change any row's token.
     """
     x = logits.float()
     x = apply_penalties(x, rows, inplace=x is not logits)  # [S, vocab]
+    num_rows, vocab_size = x.shape
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if len(random_rows) < len(rows):
+    if len(random_rows) < num_rows:
         token_ids = x.argmax(dim=-1)  # [S]; ties go to the lowest id
-    if random_rows:
-        picked = [rows[i] for i in random_rows]
-        seeds = _to_device([row.seed for row in picked], logits.device)
-        positions = _to_device([row.position for row in picked], logits.device)
+    else:
+        token_ids = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    unfiltered = [i for i in random_rows if not _filters(rows[i].params, vocab_size)]
+    filtered = [i for i in random_rows if _filters(rows[i].params, vocab_size)]
+    for group, sample in ((unfiltered, _sample_unfiltered), (filtered, _sample_random)):
+        if not group:
+            continue
+        picked = [rows[i] for i in group]
+        seeds = _to_device([row.seed for row in picked], x.device)
+        positions = _to_device([row.position for row in picked], x.device)
         params = [row.params for row in picked]
-        if len(random_rows) == len(rows):
+        if len(group) == num_rows:
             xr = x.clone() if x is logits else x  # sampling works in place
-            token_ids = _sample_random(xr, params, seeds, positions)
+            token_ids = sample(xr, params, seeds, positions)
         else:
-            idx = _to_device(random_rows, logits.device)
-            token_ids[idx] = _sample_random(x[idx], params, seeds, positions)
+            idx = _to_device(group, x.device)
+            token_ids[idx] = sample(x[idx], params, seeds, positions)
     return token_ids
 
 
-def token_logprobs(
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a random row has top-k, top-p or min-p (as Sampler decides)."""
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _sample_unfiltered(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Temperature, then the keyed Gumbel-max, for rows with no filter; modifies logits."""
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        scale = torch.tensor(temps, dtype=torch.float32)
+        logits.div_(host_to_device(scale, logits.device)[:, None])
+    return gumbel_argmax(logits, seeds, positions)
+
+
+def logprob_tensors(
     logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[TokenLogprobs | None]:
-    """Logprobs of the sampled tokens for the rows that ask for them (reads them on the host)."""
-    return _logprobs(logits, token_ids, rows)
+) -> LogprobTensors | None:
+    """Sampler's logprobs (of the raw logits [S, vocab], for the rows that ask for them) as
+    device tensors, so that reading them waits for nothing but the step's own copy; None when no
+    row asks."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return None
+    idx = _to_device(wanted, logits.device)
+    lp = logits[idx].float().log_softmax(dim=-1)  # [W, vocab]
+    sampled = lp.gather(1, token_ids[idx][:, None])  # [W, 1]
+    rank = (lp > sampled).sum(dim=-1) + 1  # [W]
+    num_top = [rows[i].params.logprobs or 0 for i in wanted]
+    top_lp, top_ids = lp.topk(min(max(num_top), lp.shape[1]), dim=-1)  # [W, n], best first
+    return LogprobTensors(wanted, num_top, sampled[:, 0], rank, top_lp, top_ids)
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -316,8 +316,9 @@ def test_cuda_graphs_match_sync(tiny_llama_dir):
 
 @pytest.mark.gpu
 def test_cuda_decode_launch_never_waits_for_the_device(tiny_llama_dir):
-    """Launching a greedy decode step (graph replay, sampling, the copy back) makes no call that
-    waits for the device: torch's sync debug mode turns any such call into an error."""
+    """Launching a decode step (graph replay; greedy, plain temperature and logprobs rows; the
+    copies back) makes no call that waits for the device: torch's sync debug mode turns any such
+    call into an error."""
     import torch
 
     settings = dict(device="cuda", dtype="float32", torch_compile=False, progress=False)
@@ -340,28 +341,37 @@ def test_cuda_decode_launch_never_waits_for_the_device(tiny_llama_dir):
             return result
 
         s.engine.runner.launch = strict_launch
-        outs = s.generate(PROMPTS[:4], [GREEDY] * 4)
+        params = [
+            GREEDY,
+            SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+            GREEDY,
+        ]
+        outs = s.generate(PROMPTS[:4], params)
     assert not errors, errors[0]
     assert len(checked) >= GREEDY.max_tokens - 2
     assert all(o.finish_reason == "length" for o in outs)
 
 
 def test_device_sampling_matches_the_sampler():
-    """The runner's device-tensor sampling picks what Sampler picks, row for row."""
+    """The runner's device-tensor sampling picks what Sampler picks, row for row, with the same
+    logprobs."""
     import torch
 
-    from libkk.runtime.model_runner import sample_token_ids
+    from libkk.runtime.model_runner import logprob_tensors, sample_token_ids
     from libkk.sample.sampler import Sampler, SamplingRow
 
     torch.manual_seed(0)
-    logits = torch.randn(6, 300) * 3
+    logits = torch.randn(8, 300) * 3
     params = [
-        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3),
         SamplingParams(temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2, logprobs=0),
         SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),
-        SamplingParams(temperature=1.0, presence_penalty=1.0, seed=3),
+        SamplingParams(temperature=1.0, presence_penalty=1.0, seed=3, logprobs=5),
         SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=4),
+        SamplingParams(temperature=1.5, top_k=-1, seed=5),
     ]
     rows = [
         SamplingRow(
@@ -374,12 +384,17 @@ def test_device_sampling_matches_the_sampler():
         )
         for i, p in enumerate(params)
     ]
-    expected = Sampler()(logits.clone(), rows).token_ids
-    assert sample_token_ids(logits.clone(), rows).tolist() == expected
-    greedy = [0, 3, 5]
-    assert sample_token_ids(logits[greedy].clone(), [rows[i] for i in greedy]).tolist() == [
-        expected[i] for i in greedy
-    ]
+    sampled = Sampler()(logits.clone(), rows)
+    expected = sampled.token_ids
+    token_ids = sample_token_ids(logits.clone(), rows)
+    assert token_ids.tolist() == expected
+    logprobs = logprob_tensors(logits, token_ids, rows).build(expected, len(rows))
+    assert logprobs == sampled.logprobs
+    assert [lp is not None for lp in logprobs] == [True, False, True, False, True] + [False] * 3
+    # Batches of one kind: greedy only, unfiltered random only, random only.
+    for subset in ([0, 3, 5], [4, 6, 7], [1, 2, 4, 6, 7]):
+        got = sample_token_ids(logits[subset].clone(), [rows[i] for i in subset]).tolist()
+        assert got == [expected[i] for i in subset]
 
 
 # ---- the scheduler alone: a fake model whose token depends on (request, position) only ---------
