@@ -209,8 +209,8 @@ class ModelRunner:
         without waiting for them (async scheduling; no drafts, no aux hidden states).
 
         Tokens marked `last_token_in_flight` are read from the previous launched step's device
-        ids. On CUDA the host waits only where sampling itself reads device values (top-k/top-p
-        candidate checks); greedy and plain temperature rows and logprobs never wait.
+        ids. On CUDA the host waits only where sampling itself reads device values (rows with
+        top-k, top-p or min-p); greedy and plain temperature rows and logprobs never wait.
         """
         batch = build_input_batch(sched_out, self.block_size, self.device)
         self._gather_in_flight_inputs(sched_out, batch)
