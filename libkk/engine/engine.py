@@ -31,6 +31,7 @@ from libkk.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
+from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
 from libkk.layers.moe import FusedMoE
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
@@ -93,6 +94,8 @@ class Engine:
             csf_prefetch=config.model.csf_prefetch,
             moe_prefill_activations=config.model.moe_prefill_activations,
         )
+        if config.cache.calculate_kv_scales:
+            calibrate_kv_scales_on_first_prefill(self.model)
         if config.model.shared_host_tables:
             sched = config.scheduler
             # The staged rows of the largest step: a token budget, or a padded decode graph.

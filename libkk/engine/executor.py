@@ -552,6 +552,7 @@ def _worker_main(
     try:
         from libkk.cache.kv_cache import allocate_kv_caches
         from libkk.engine.engine import resolve_device, resolve_dtype
+        from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
         from libkk.models.loader import load_model
 
         config = msgspec.json.decode(config_json, type=EngineConfig)
@@ -573,6 +574,8 @@ def _worker_main(
             csf_prefetch=config.model.csf_prefetch,
             moe_prefill_activations=config.model.moe_prefill_activations,
         )
+        if config.cache.calculate_kv_scales:
+            calibrate_kv_scales_on_first_prefill(model)
         conn.send(("loaded",))
         plan = broadcast_object(None)
         cache = config.cache

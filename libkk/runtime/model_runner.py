@@ -17,6 +17,7 @@ from libkk.dist import get_tp_rank, get_tp_size
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
+from libkk.layers.attention import kv_scale_calibration_pending
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
@@ -62,6 +63,10 @@ class ModelRunner:
             raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches")
         for layer, cache in zip(layers, kv_caches, strict=True):
             layer.kv_cache = cache
+        self.attention_layers = layers
+        # FP8 scale calibration runs in the eager attention op of the first real store, and a
+        # FULL graph replay runs no Python: no replay until every layer has calibrated.
+        self._kv_scales_pending = kv_scale_calibration_pending(layers)
         self.host_embeddings = [m for m in model.modules() if isinstance(m, HostRowsEmbedding)]
         self.graphs: DecodeGraphs | None = None
         # The last launched step's sampled ids [S] on the device and each request's row in them:
@@ -269,8 +274,11 @@ class ModelRunner:
             embedding.stage(batch.input_ids_cpu)
         aux_layers = self.aux_hidden_layers
         aux: torch.Tensor | None = None
+        if self._kv_scales_pending:
+            self._kv_scales_pending = kv_scale_calibration_pending(self.attention_layers)
         if (
             self.graphs is not None
+            and not self._kv_scales_pending
             # Graphs keep aux hidden states only when captured with the stash.
             and (not aux_layers or self.graphs.stash is not None)
             and self.graphs.can_run(batch.attn_metadata, num_tokens)

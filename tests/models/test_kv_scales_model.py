@@ -183,3 +183,25 @@ def test_per_head_checkpoint_scales_are_unsupported(loud_llama_dir, tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="one scale per"):
         load_model(path, torch.float32, CPU, progress=False)
+
+
+def test_session_calibrates_from_its_first_prefill(loud_llama_dir, default_model_dir, tmp_path):
+    """`calculate_kv_scales=True` through a Session: every layer calibrates on the first prefill,
+    and the FP8 session's greedy tokens equal those of an fp32 cache."""
+    from libkk import SamplingParams, Session
+
+    path = tmp_path / "loud"
+    shutil.copytree(loud_llama_dir, path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / f, path / f)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", num_gpu_blocks=32, max_model_len=64)
+    with Session(str(path), **settings) as s:
+        want = s.generate(PROMPT, greedy).token_ids
+    with Session(str(path), kv_cache_dtype="fp8", calculate_kv_scales=True, **settings) as s:
+        layers = s.engine.model.attention_layers()
+        assert all(layer.calibration_pending for layer in layers)
+        got = s.generate(PROMPT, greedy).token_ids
+        assert not any(layer.calibration_pending for layer in layers)
+        assert all(min(layer.kv_scales) > 1.0 for layer in layers)
+    assert got == want
