@@ -25,7 +25,7 @@ from libkk.runtime.io import LaunchedStep, LogprobTensors, ModelRunnerOutput, Sc
 from libkk.runtime.verify import verify
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
-from libkk.sample.sampler import Sampler, SamplingRow, _sample_random, apply_penalties
+from libkk.sample.sampler import Sampler, SamplingRow, apply_penalties, sample_random
 
 
 class ModelRunner:
@@ -367,7 +367,7 @@ def sample_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     unfiltered = [i for i in random_rows if not _filters(rows[i].params, vocab_size)]
     filtered = [i for i in random_rows if _filters(rows[i].params, vocab_size)]
-    for group, sample in ((unfiltered, _sample_unfiltered), (filtered, _sample_random)):
+    for group, sample in ((unfiltered, _sample_unfiltered), (filtered, sample_random)):
         if not group:
             continue
         picked = [rows[i] for i in group]

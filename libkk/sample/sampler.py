@@ -72,12 +72,12 @@ class Sampler:
                 [row.position for row in picked], dtype=torch.int64, device=device
             )
             if len(random_rows) == num_rows:
-                # _sample_random works in place: never on the caller's tensor.
+                # sample_random works in place: never on the caller's tensor.
                 xr = x.clone() if x is logits else x
-                token_ids = _sample_random(xr, params, seeds, positions)
+                token_ids = sample_random(xr, params, seeds, positions)
             else:
                 idx = torch.tensor(random_rows, device=device)
-                token_ids[idx] = _sample_random(x[idx], params, seeds, positions)
+                token_ids[idx] = sample_random(x[idx], params, seeds, positions)
 
         logprobs = _logprobs(logits, token_ids, rows)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
@@ -229,7 +229,7 @@ def _top_k_top_p_cut(logits: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tens
     return threshold, cand_logits, cand_ids
 
 
-def _sample_random(
+def sample_random(
     logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor, positions: Tensor
 ) -> Tensor:
     """Temperature, filters, then the keyed Gumbel-max; modifies logits.  # [R] token ids"""
