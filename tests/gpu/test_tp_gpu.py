@@ -80,3 +80,30 @@ def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir):
         with pytest.raises(TensorParallelError, match="rank 1"):  # ~1000 eager steps: seconds
             s.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=1000, ignore_eos=True))
         assert time.monotonic() - start < 60.0
+
+
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_dflash_at_tp2_greedy_equals_plain_tp1(tiny_qwen3_dir, tmp_path, vocab_parallel):
+    """DFlash speculation on two GPUs (the drafter split like the target, every rank drafting in
+    step; verification graphs with their NCCL collectives) gives the plain TP=1 greedy tokens."""
+    from libkk import SamplingParams, Session
+    from libkk.spec.dflash import DFlashConfig, save_drafter
+    from libkk.spec.train import init_drafter
+
+    config = DFlashConfig(
+        hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=64, vocab_size=2048, target_layer_ids=(0, 2), mask_token_id=3, block_size=5,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    drafter = save_drafter(init_drafter(config, seed=2), tmp_path / "drafter", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 2048, (n,), generator=g).tolist() for n in (5, 40, 90)]
+    reference = _generate(tiny_qwen3_dir, prompts, 1, "NONE", False)
+    spec = {"method": "dflash", "draft_model": str(drafter), "num_speculative_tokens": 4,
+            "vocab_parallel_drafting": vocab_parallel}  # fmt: skip
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    with Session(str(tiny_qwen3_dir), device="cuda", dtype="float32", tensor_parallel_size=2,
+                 max_num_seqs=8, max_model_len=512, progress=False, worker_timeout_s=120.0,
+                 speculative=spec) as s:  # fmt: skip
+        assert [o.token_ids for o in s.generate(prompts, params)] == reference
+        assert s.stats()["spec_num_verify_steps"] > 0
