@@ -479,12 +479,12 @@ def test_shipped_drafter_proposes_for_the_default_model(default_target) -> None:
     size = sum(p.stat().st_size for p in SHIPPED_DRAFTER.iterdir())
     assert size < 16 * 2**20
 
-    prompt = chat_prompt_ids(tokenizer, builtin_prompts(held_out=True)[0])
-    report = measure_acceptance(model, prop, [prompt], 40, sorted(tokenizer.eos_token_ids))
-    # Deterministic (greedy, fp32): measured 1.026 on this prompt (1.059 over 6 held-out
-    # prompts); a uniformly random draft would give 1 + 1/49152. The shipped CPU-trained drafter
-    # is weak: `libkk train-drafter --device cuda ...` trains a better one.
-    assert report.outputs[0] and report.mean_acceptance_length > 1.02, report
+    prompts = [chat_prompt_ids(tokenizer, t) for t in builtin_prompts(held_out=True)[:4]]
+    report = measure_acceptance(model, prop, prompts, 40, sorted(tokenizer.eos_token_ids))
+    # Deterministic (greedy, fp32): measured 1.139 on these prompts (1.170 over 6 held-out
+    # prompts of 64 tokens); a uniformly random draft would give 1 + 1/49152. The shipped
+    # CPU-trained drafter is still weak: `libkk train-drafter --device cuda ...` trains a better one.
+    assert all(report.outputs) and report.mean_acceptance_length > 1.1, report
 
 
 # -- through the engine -------------------------------------------------------------------------
