@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import all_reduce, get_tp_rank, get_tp_size
+from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.layers.linear import check_shape, linear, new_param
 
 
@@ -100,5 +100,35 @@ class LMHead(nn.Module):
         # widened, so bf16 logits round the same way as the reference.
         return linear(hidden, self.weight).float()
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
+        """The argmax token of each row's full-vocabulary logits (ties to the lowest id) on every
+        rank. Under tensor parallelism each rank takes its shard's (max, token) and one [N, 2]
+        gather picks the winner, instead of gathering [N, vocab] logits."""
+        logits = self.forward(hidden)
+        if get_tp_size() == 1:
+            return logits.argmax(dim=-1)
+        rows, _ = vocab_part(self.vocab_size)
+        stats = shard_argmax_stats(logits[:, : len(rows)], rows.start)  # padding cut off
+        return merge_shard_argmax(all_gather_last_dim(stats[:, :, None]).permute(2, 0, 1))
+
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, tied={self.tied}"
+
+
+def shard_argmax_stats(logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """One vocabulary shard's (max logit, its token id) per row.  # [R, 2] float64
+
+    logits: [R, Vs] of token ids vocab_start .. vocab_start + Vs - 1, without padding columns (a
+    padded shard's zero rows could win); ties go to the lowest id within the shard. float64
+    carries fp32 values and token ids exactly.
+    """
+    value, index = logits.float().max(dim=-1)
+    return torch.stack([value.double(), (index + vocab_start).double()], dim=-1)
+
+
+def merge_shard_argmax(stats: torch.Tensor) -> torch.Tensor:
+    """The argmax token [R] int64 from every shard's [S, R, 2] stats, shards in vocab order: the
+    first shard holding the row's max wins, which is argmax's lowest-id rule over the whole row."""
+    value, token = stats.unbind(-1)  # [S, R] each
+    first = (value == value.amax(dim=0, keepdim=True)).to(torch.int8).argmax(dim=0, keepdim=True)
+    return token.gather(0, first).squeeze(0).long()

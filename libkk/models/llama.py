@@ -224,6 +224,10 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: every rank gathers the full vocabulary for now (rank 0 samples from it).
         return all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
+        """compute_logits(hidden).argmax(-1) without gathering whole rows across ranks."""
+        return self.lm_head.argmax(hidden)
+
     def set_aux_hidden_layers(self, layer_ids: tuple[int, ...]) -> None:
         """Makes forward also keep the hidden states after these decoder layers (0-based), in
         order, as `aux_hidden_states` [num_tokens, len(layer_ids) * hidden]; () turns it off."""

@@ -194,6 +194,13 @@ class ModelRunner:
         if batch.sampling_rows:
             if any(batch.num_spec):
                 self._sample_with_drafts(sched_out, batch, hidden, out)
+            elif get_tp_size() > 1 and all(_raw_argmax_row(r) for r in batch.sampling_rows):
+                # Every rank decides alike (the rows are the broadcast step's): the argmax from
+                # vocabulary shards, without gathering whole logit rows.
+                tokens = self.model.greedy_tokens(hidden[batch.logits_indices]).tolist()
+                for rid, token in zip(batch.sampling_request_ids, tokens, strict=True):
+                    out.sampled_token_ids[rid] = [token]
+                    out.logprobs[rid] = [None]
             else:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
                 sampled = self.sampler(logits, batch.sampling_rows)
@@ -416,6 +423,11 @@ def logprob_tensors(
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
     top_lp, top_ids = lp.topk(min(max(num_top), lp.shape[1]), dim=-1)  # [W, n], best first
     return LogprobTensors(wanted, num_top, sampled[:, 0], rank, top_lp, top_ids)
+
+
+def _raw_argmax_row(row: SamplingRow) -> bool:
+    """A greedy row asking for no logprobs whose token is the raw logits' argmax."""
+    return row.params.greedy and row.params.logprobs is None and row.keeps_raw_argmax()
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -35,6 +35,17 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     banned_token_ids: Sequence[int] = ()  # -inf this step (eos/stop ids while under min_tokens)
 
+    def keeps_raw_argmax(self) -> bool:
+        """Whether the argmax of the raw logits survives this row's processing: no banned id and
+        no penalty (temperature and the filters always keep the top token)."""
+        p = self.params
+        return (
+            not self.banned_token_ids
+            and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0
+        )
+
 
 @dataclass
 class TokenLogprobs:

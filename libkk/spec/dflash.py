@@ -37,10 +37,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from libkk.dist import all_gather_last_dim, get_tp_size
+from libkk.dist import get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError, ModelNotFoundError
 from libkk.layers.attention import attention_backend, store_kv
-from libkk.layers.embedding import vocab_part
 from libkk.layers.forward_context import AttentionMetadata
 from libkk.layers.linear import (
     WHOLE,
@@ -60,7 +59,6 @@ from libkk.quant.formats import quantize_fp8_block
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
 from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
 from libkk.spec.logits import position_rows, process_logits
-from libkk.spec.vocab_parallel import combine_greedy_stats, greedy_draft_stats
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -624,7 +622,6 @@ class DFlashProposer(Proposer):
         self.embedding = embedding
         # Under tensor parallelism the lookup is the target's vocab-parallel layer (a collective).
         self.embed_module = embed_module if get_tp_size() > 1 else None
-        self.vocab_size = vocab_size
         # Greedy drafts from each rank's vocabulary shard (`vocab_parallel_drafting`).
         self.vocab_parallel = vocab_parallel and get_tp_size() > 1
         self.num_kv_heads = drafter.layers[0].self_attn.num_kv_heads  # this rank's
@@ -785,7 +782,7 @@ class DFlashProposer(Proposer):
         keep = torch.arange(n_rows, device=dev).view(-1, rows)[:, 1:].reshape(-1)
         mask_hidden = hidden[keep].to(self.embedding.dtype)
         if self.vocab_parallel and all(self._plain_argmax(a[1]) for a in active):
-            drafts = self._shard_argmax(mask_hidden).view(len(active), rows - 1).cpu()
+            drafts = self.target.greedy_tokens(mask_hidden).view(len(active), rows - 1).cpu()
         else:
             logits = self.target.compute_logits(mask_hidden)
             logits = logits.float().view(len(active), rows - 1, -1)  # [A, K, vocab]
@@ -821,25 +818,9 @@ class DFlashProposer(Proposer):
         return torch.tensor(drafts, dtype=torch.int64)
 
     def _plain_argmax(self, r: ProposeRequest) -> bool:
-        """Whether this request's drafts are the argmax of the raw logits (greedy drafts with no
-        penalty or banned id: every position's processing keeps the argmax)."""
-        params = r.sampling.params
-        return (
-            not self._samples(r)
-            and not r.sampling.banned_token_ids
-            and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0
-        )
-
-    def _shard_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Argmax tokens [N] of the LM head's logits from this rank's vocabulary shard and one
-        gather of (max, token) per row, instead of the [N, vocab] logits."""
-        rows, _ = vocab_part(self.vocab_size)
-        local = self.target.lm_head(hidden)[:, : len(rows)]  # [N, shard], padding cut off
-        stats = greedy_draft_stats(local, rows.start)  # [N, 2]
-        gathered = all_gather_last_dim(stats[:, :, None])  # [N, 2, ranks]
-        return combine_greedy_stats(gathered.permute(2, 0, 1))
+        """Whether this request's drafts are the argmax of the raw logits (greedy drafts whose
+        processing keeps the argmax at every position: bans only lift, penalties are none)."""
+        return not self._samples(r) and r.sampling.keeps_raw_argmax()
 
     def _samples(self, r: ProposeRequest) -> bool:
         """Whether this request's drafts are sampled (else the argmax: one-hot q)."""

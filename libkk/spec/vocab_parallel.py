@@ -196,25 +196,6 @@ def _check_shards(shards: Sequence[Tensor], starts: Sequence[int], what: str) ->
 # Drafting
 
 
-def greedy_draft_stats(logits: Tensor, vocab_start: int) -> Tensor:
-    """One shard's greedy summary: (max raw logit, its token id).  # [R, 2] float64
-
-    logits: [R, Vs] raw logits of token ids vocab_start .. vocab_start + Vs - 1 (no padding
-    columns: a padded shard's zero rows could win); ties go to the lowest id within the shard.
-    """
-    value, index = logits.float().max(dim=-1)
-    return torch.stack([value.double(), (index + vocab_start).double()], dim=-1)
-
-
-def combine_greedy_stats(stats: Tensor) -> Tensor:
-    """The argmax token of every row from the gathered [S, R, 2] greedy summaries.  # [R] int64
-
-    The first shard holding the row's max wins: shards are in vocab order, so this is argmax's
-    lowest-id tie rule over the whole row."""
-    value, token = stats.unbind(-1)  # [S, R] each
-    return _first_max(value, token).long()
-
-
 def draft_shard_stats(
     logits: Tensor, vocab_start: int, temperatures: Tensor, seeds: Tensor, positions: Tensor
 ) -> Tensor:

@@ -254,3 +254,26 @@ def test_speculation_at_tp2_matches_tp1(model_dirs, qwen3_drafter_dir, method):
     assert one_stats["spec_num_verify_steps"] > 0
     for key in ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
         assert two_stats[key] == one_stats[key], key
+
+
+@pytest.mark.parametrize(("name", "tp"), [("llama", 2), ("qwen3", 3)])
+def test_greedy_rows_take_the_argmax_from_vocab_shards(model_dirs, name, tp, monkeypatch):
+    """Greedy rows without logprobs pick the argmax from each rank's vocabulary shard (tp=3 pads
+    the last shard): the same tokens as one rank."""
+    from libkk.models.llama import LlamaForCausalLM
+
+    calls = []
+    real = LlamaForCausalLM.greedy_tokens
+
+    def counted(self, hidden):
+        calls.append(hidden.shape[0])
+        return real(self, hidden)
+
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_tokens", counted)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    tokens = []
+    for size in (1, tp):
+        with Session(str(model_dirs[name]), tensor_parallel_size=size, **SETTINGS) as session:
+            tokens.append([o.token_ids for o in session.generate(PROMPTS, params)])
+    assert tokens[0] == tokens[1]
+    assert calls  # rank 0 (this process) took the shard path at tp > 1

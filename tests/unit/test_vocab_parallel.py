@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from libkk.errors import SpeculationInputError
+from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.rejection import rejection_sample
 from libkk.spec.estimator import draft_feature
@@ -18,9 +19,7 @@ from libkk.spec.vocab_parallel import (
     VERIFY_STATS,
     VerifyPlan,
     combine_final_stats,
-    combine_greedy_stats,
     final_shard_stats,
-    greedy_draft_stats,
     sample_draft_full,
     stack_gather,
     vocab_parallel_draft,
@@ -296,6 +295,6 @@ def test_greedy_shard_stats_give_the_full_row_argmax(sizes: list[int]) -> None:
     logits[:10] = torch.randint(0, 3, (10, vocab), generator=g).float()  # many exact ties
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     stats = [
-        greedy_draft_stats(logits[:, s : s + n], s) for s, n in zip(starts, sizes, strict=True)
+        shard_argmax_stats(logits[:, s : s + n], s) for s, n in zip(starts, sizes, strict=True)
     ]
-    assert torch.equal(combine_greedy_stats(torch.stack(stats)), logits.argmax(dim=-1))
+    assert torch.equal(merge_shard_argmax(torch.stack(stats)), logits.argmax(dim=-1))
