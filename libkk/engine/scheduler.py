@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.config import SchedulerConfig
 from libkk.engine.request import Request, RequestStatus
+from libkk.engine.timeline import Timeline
 from libkk.runtime.io import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -253,11 +254,7 @@ class Scheduler:
                 request.append_token(token, lp)
                 if request.check_stop_token():
                     break
-            timeline = request.timeline
-            if timeline.first_token is None:
-                timeline.first_token = now
-            timeline.last_token = now
-            timeline.num_output_tokens = request.num_output_tokens
+            timeline = _note_tokens(request, now)
             updated.append(request)
             if request.finished:
                 self.running.remove(request)
@@ -298,11 +295,7 @@ class Scheduler:
             [lp] = runner_out.logprobs.get(rid) or [None]
             request.append_token(token, lp)
             request.check_stop_token()
-            timeline = request.timeline
-            if timeline.first_token is None:
-                timeline.first_token = now
-            timeline.last_token = now
-            timeline.num_output_tokens = request.num_output_tokens
+            timeline = _note_tokens(request, now)
             updated.append(request)
             if request.finished:
                 # It may have been preempted (waiting) while its token was in flight.
@@ -356,3 +349,13 @@ class Scheduler:
             self.vruntime[PREFILL] += elapsed / self.share
         elif sched_out.kind == DECODE:
             self.vruntime[DECODE] += elapsed / (1.0 - self.share)
+
+
+def _note_tokens(request: Request, now: float) -> Timeline:
+    """Records on the request's timeline that tokens arrived at `now`; returns the timeline."""
+    timeline = request.timeline
+    if timeline.first_token is None:
+        timeline.first_token = now
+    timeline.last_token = now
+    timeline.num_output_tokens = request.num_output_tokens
+    return timeline

@@ -8,20 +8,11 @@ import shutil
 
 import pytest
 import torch
+from e2e_prompts import PROMPTS
 
 from libkk import SamplingParams, Session
 from libkk.errors import ConfigError
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog because it wanted to see the other side",
-    "Hello",
-    "In 1969, astronauts landed on the Moon. The mission was called",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z " * 3,
-    "Paris is the capital of",
-    "1, 2, 3, 4, 5,",
-    "Once upon a time",
-]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 # How each mix runs: one request at a time, all at once, chunked prefill, preemption in a small
 # pool. (Plain decoding is batch-invariant: tests/e2e/test_equivalence.py.)
