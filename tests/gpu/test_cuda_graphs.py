@@ -72,6 +72,31 @@ def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):
     assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", kv_cache_dtype="fp8") == eager
 
 
+def _metadata(lens: list[int], block_size: int, seed: int):
+    """(ids, positions, metadata) of requests with lens[i] new tokens each: request i owns
+    block i + 1 and runs positions 5 .. 5 + lens[i] - 1 of it."""
+    from libkk.layers.forward_context import AttentionMetadata
+
+    n = len(lens)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 2048, (sum(lens),), generator=g).cuda()
+    pos = torch.cat([5 + torch.arange(num) for num in lens]).cuda()
+    blocks = torch.arange(1, n + 1, dtype=torch.int32).cuda()
+    starts = [0]
+    for num in lens:
+        starts.append(starts[-1] + num)
+    seq_lens = [5 + num for num in lens]
+    meta = AttentionMetadata(
+        slot_mapping=blocks.long().repeat_interleave(torch.tensor(lens).cuda()) * block_size + pos,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).cuda(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).cuda(),
+        block_table=blocks[:, None].contiguous(),
+        block_size=block_size, max_query_len=max(lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    return ids, pos, meta
+
+
 @pytest.mark.parametrize("q", [1, 4])
 def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
     """Graphs for batches where requests run up to q tokens (1 + K when verifying K drafts):
@@ -81,7 +106,7 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
     from libkk.graphs.capture import DecodeGraphs
 
     from libkk import Session
-    from libkk.layers.forward_context import AttentionMetadata, set_forward_context
+    from libkk.layers.forward_context import set_forward_context
 
     with Session(str(tiny_qwen3_dir), device="cuda", dtype="float32", max_model_len=256,
                  cudagraph_mode="NONE", torch_compile=False, progress=False) as s:  # fmt: skip
@@ -97,54 +122,18 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
                               block_size=bs, device=torch.device("cuda"), query_lens=(1, q),
                               stash=lambda: stash["t"])  # fmt: skip
         graphs.capture(progress=False)
-        for n in (1, 3, 8):
-            # Request i owns block i + 1 and runs positions 5 .. 5 + q - 1 of it.
-            g = torch.Generator().manual_seed(n)
-            ids = torch.randint(2, 2048, (n * q,), generator=g).cuda()
-            pos = (5 + torch.arange(q)).repeat(n).cuda()
-            blocks = torch.arange(1, n + 1, dtype=torch.int32).cuda()
-            meta = AttentionMetadata(
-                slot_mapping=(blocks.long().repeat_interleave(q) * bs + pos),
-                query_start_loc=(torch.arange(n + 1, dtype=torch.int32) * q).cuda(),
-                seq_lens=torch.full((n,), 5 + q, dtype=torch.int32).cuda(),
-                block_table=blocks[:, None].contiguous(),
-                block_size=bs, max_query_len=q, max_seq_len=5 + q,
-                query_start_loc_cpu=[i * q for i in range(n + 1)], seq_lens_cpu=[5 + q] * n,
-            )  # fmt: skip
-            assert graphs.can_run(meta, n * q)
+        # Uniform batches of 1, 3 and 8 requests, then a ragged one (1 .. q tokens a request).
+        batches = [[q] * n for n in (1, 3, 8)] + ([[1 + i % q for i in range(5)]] if q > 1 else [])
+        for seed, lens in enumerate(batches):
+            ids, pos, meta = _metadata(lens, bs, seed)
+            assert graphs.can_run(meta, sum(lens))
             with torch.inference_mode():
                 with set_forward_context(meta):
                     eager = model.forward(ids, pos).clone()
                 hidden, stashed = graphs.run(ids, pos, meta)
             torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(stashed, 2 * eager, rtol=1e-5, atol=1e-5)
-        # Ragged: requests with 1 .. q tokens run in the q graph, padded per request.
-        lens = [1 + i % q for i in range(5)]
-        n = len(lens)
-        g = torch.Generator().manual_seed(99)
-        ids = torch.randint(2, 2048, (sum(lens),), generator=g).cuda()
-        pos = torch.cat([5 + torch.arange(num) for num in lens]).cuda()
-        blocks = torch.arange(1, n + 1, dtype=torch.int32).cuda()
-        starts = [0]
-        for num in lens:
-            starts.append(starts[-1] + num)
-        meta = AttentionMetadata(
-            slot_mapping=(blocks.long().repeat_interleave(torch.tensor(lens).cuda()) * bs + pos),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).cuda(),
-            seq_lens=torch.tensor([5 + num for num in lens], dtype=torch.int32).cuda(),
-            block_table=blocks[:, None].contiguous(),
-            block_size=bs, max_query_len=max(lens), max_seq_len=5 + max(lens),
-            query_start_loc_cpu=starts, seq_lens_cpu=[5 + num for num in lens],
-        )  # fmt: skip
-        assert graphs.can_run(meta, sum(lens)) == (q > 1 or lens == [1] * n)
         if q > 1:
-            with torch.inference_mode():
-                with set_forward_context(meta):
-                    eager = model.forward(ids, pos).clone()
-                hidden, stashed = graphs.run(ids, pos, meta)
-            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(stashed, 2 * eager, rtol=1e-5, atol=1e-5)
             # Padding a short request past the block table's reach is refused (eager instead).
-            full = 4 * bs
-            meta.seq_lens_cpu = [full] * n
+            meta.seq_lens_cpu = [4 * bs] * len(lens)
             assert not graphs.can_run(meta, sum(lens))
