@@ -12,6 +12,8 @@ from libkk import ConfigError, EngineConfig, SamplingParams, Session
 from libkk.runtime.io import PLACEHOLDER_TOKEN_ID
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Token-id prompts of several lengths for the tiny Qwen3 (no model download, for the GPU machine).
+ID_PROMPTS = [[(7 * i + 13 * j) % 2000 + 2 for j in range(3 + 5 * i)] for i in range(8)]
 
 
 def run_stepped(session: Session, prompts, params) -> dict[str, list[tuple]]:
@@ -291,7 +293,7 @@ def test_config_errors():
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_match_sync(tiny_llama_dir):
+def test_cuda_graphs_match_sync(tiny_qwen3_dir):
     """On CUDA, with decode steps replayed from graphs: the in-flight tokens gathered on the
     device and the ids copied back asynchronously give the synchronous tokens."""
     params = [
@@ -300,20 +302,20 @@ def test_cuda_graphs_match_sync(tiny_llama_dir):
         SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1),
     ] * 2 + [GREEDY] * 2
     settings = dict(device="cuda", dtype="float32", torch_compile=False, progress=False)
-    sync, async_, stats = both_modes(tiny_llama_dir, PROMPTS, params, **settings)
+    sync, async_, stats = both_modes(tiny_qwen3_dir, ID_PROMPTS, params, **settings)
     assert async_ == sync
     assert stats["num_steps"] > 10
 
 
 @pytest.mark.gpu
-def test_cuda_decode_launch_never_waits_for_the_device(tiny_llama_dir):
+def test_cuda_decode_launch_never_waits_for_the_device(tiny_qwen3_dir):
     """Launching a decode step (graph replay; greedy, plain temperature and logprobs rows; the
     copies back) makes no call that waits for the device: torch's sync debug mode turns any such
     call into an error."""
     import torch
 
     settings = dict(device="cuda", dtype="float32", torch_compile=False, progress=False)
-    with Session(str(tiny_llama_dir), async_scheduling=True, **settings) as s:
+    with Session(str(tiny_qwen3_dir), async_scheduling=True, **settings) as s:
         launch = s.engine.runner.launch
         checked, errors = [], []
 
@@ -338,7 +340,7 @@ def test_cuda_decode_launch_never_waits_for_the_device(tiny_llama_dir):
             SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
             GREEDY,
         ]
-        outs = s.generate(PROMPTS[:4], params)
+        outs = s.generate(ID_PROMPTS[:4], params)
     assert not errors, errors[0]
     assert len(checked) >= GREEDY.max_tokens - 2
     assert all(o.finish_reason == "length" for o in outs)
