@@ -451,7 +451,13 @@ class _WorkerProcess:
     @classmethod
     def start(cls, args: tuple) -> tuple[_WorkerProcess, Connection]:
         ours, theirs = socket.socketpair()
-        code = "from libkk.engine.executor import worker_entry; worker_entry()"
+        # The parent's import path, as multiprocessing's spawn passes it: `python -c` would put
+        # the working directory first, where a source checkout's `libkk/` (without the
+        # `libkk.kernels` and `libkk.graphs` packages it maps in) would shadow the installed one.
+        code = (
+            f"import sys; sys.path[:] = {sys.path!r}; "
+            "from libkk.engine.executor import worker_entry; worker_entry()"
+        )
         popen = subprocess.Popen(
             [_python_executable(), "-c", code, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
