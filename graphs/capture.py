@@ -71,12 +71,15 @@ class DecodeGraphs:
         t = n * self.query_lens[-1]
         # Static inputs. Rows past a batch's size keep the padding values set here: token 0 at
         # position 0, writing to slot 0 (the null block), attending to the null block alone.
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # Made as inference tensors, like every step's inputs: a compiled forward guards on the
+        # inputs' dispatch keys, and normal tensors here would compile it a second time.
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+            self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+            self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.stashed: dict[tuple[int, int], torch.Tensor | None] = {}

@@ -36,7 +36,21 @@ def compile_forward(forward: Forward, backend: Callable[..., Any] | None = None)
     default backend) fuses everything between attention calls; a `PiecewiseBackend` also cuts
     the graph there to capture the pieces (graphs/piecewise.py).
     """
+    _allow_recompiles_per_session()
     return torch.compile(forward, dynamic=True, backend=backend or "inductor")
+
+
+# Compiled entries Dynamo keeps per code object. Every Session in a process compiles the same
+# `forward` code again for its own model: past Dynamo's default of 8, later Sessions would run
+# their forward eagerly (with a warning) instead of compiled.
+MIN_RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles_per_session() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if hasattr(config, name) and getattr(config, name) < MIN_RECOMPILE_LIMIT:
+            setattr(config, name, MIN_RECOMPILE_LIMIT)
 
 
 @contextlib.contextmanager

@@ -126,13 +126,14 @@ def profile_costs(
     context = [t % vocab_size for t in context]
 
     def verify_step(n: int) -> None:
-        ids = torch.zeros(n, dtype=torch.int64, device=device)
-        positions = torch.arange(n, dtype=torch.int64, device=device)
-        # inference_mode as the runner's steps: a compiled forward guards on the grad mode
+        # inference_mode and inference-tensor inputs as the runner's steps: a compiled forward
+        # guards on the grad mode and on its inputs' dispatch keys
         with (
             torch.inference_mode(),
             set_forward_context(null_prefill_metadata(n, block_size, device)),
         ):
+            ids = torch.zeros(n, dtype=torch.int64, device=device)
+            positions = torch.arange(n, dtype=torch.int64, device=device)
             forward(ids, positions)
 
     width = len(getattr(proposer, "target_layer_ids", ())) * hidden_size
