@@ -32,7 +32,6 @@ from libkk.errors import (
     UnknownRequestError,
 )
 from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
-from libkk.layers.moe import FusedMoE
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
 from libkk.models.tokenizer import Tokenizer
@@ -167,9 +166,6 @@ class Engine:
             compilation=config.compilation,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
-            # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable
-            # (packed 4-bit experts run host-sync-free kernels and are).
-            capturable=not any(isinstance(m, FusedMoE) for m in self.model.modules()),
             progress=config.progress,
             query_lens=runner_spec.query_lens,
             stash_aux_hidden=bool(aux_layers),

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -554,6 +556,8 @@ def _worker_main(
 ) -> None:
     """Rank `rank`: join the group, load this rank's weights, then run every broadcast step."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # `kill -USR1 PID` prints every thread's stack to stderr: where a stuck worker waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = 0
     try:
         from libkk.cache.kv_cache import allocate_kv_caches
@@ -616,7 +620,6 @@ def _worker_main(
             compilation=config.compilation,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=plan["max_len"],
-            capturable=not arch.is_moe,
             progress=False,
             query_lens=spec.query_lens,
             stash_aux_hidden=bool(spec.aux_layers),

@@ -20,6 +20,7 @@ from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_di
 from libkk.layers.attention import kv_scale_calibration_pending
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
+from libkk.layers.moe import FusedMoE
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
 from libkk.runtime.io import LaunchedStep, LogprobTensors, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.verify import verify
@@ -44,7 +45,6 @@ class ModelRunner:
         compilation: CompilationConfig | None = None,
         max_num_seqs: int = 1,
         max_model_len: int = 1,
-        capturable: bool = True,
         progress: bool = False,
         query_lens: Sequence[int] = (1,),
         stash_aux_hidden: bool = False,
@@ -83,6 +83,9 @@ class ModelRunner:
         # per token count (graphs/piecewise.py), for batches no FULL graph covers.
         self.piecewise: PiecewiseBackend | None = None
         mode = compilation.cudagraph_mode
+        # NOTE: the plain-torch MoE path reads routing counts on the host: not capturable
+        # (packed 4-bit experts run host-sync-free kernels and are).
+        capturable = not any(isinstance(m, FusedMoE) for m in model.modules())
         graphs = device.type == "cuda" and mode != "NONE" and capturable
         if device.type == "cuda" and compilation.torch_compile:
             if graphs and mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
