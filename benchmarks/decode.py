@@ -4,10 +4,18 @@ Random bf16 weights are written as a real checkpoint folder (config.json, sharde
 stand-in tokenizer), so the real loader runs. Every request gets a random prompt of --prompt tokens
 and decodes --tokens tokens greedily with EOS ignored. Decode time is measured after the first
 token: libkk from the requests' timelines, transformers as generate(N + 1) minus generate(1). The
-floor is (weight bytes + KV bytes read per step) / measured device copy bandwidth.
+floor is the bytes a step must read / measured device copy bandwidth: every weight once, except
+the embedding table (a step reads one row per request) and, for MoE shapes, only the experts the
+batch routes to (expected distinct experts per layer under uniform routing: E * (1 - (1 - k/E)^B)),
+plus the KV cache.
 
     python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
         [--async-scheduling]
+    python benchmarks/decode.py --shape qwen3-30b-a3b --experts nvfp4 --batch 1 8 32 128
+
+`--experts nvfp4|mxfp4` (MoE shapes) writes the experts pre-quantized (`libkk quantize`'s
+format, quantized from the random bf16 weights on the GPU); transformers cannot run those
+checkpoints, so that case has no peer row.
 """
 
 from __future__ import annotations
@@ -76,10 +84,13 @@ COMMON = dict(
 )
 
 
-def write_checkpoint(shape: str, path: Path, device: str) -> None:
-    """Random weights in HF names, written shard by shard so host memory stays small."""
+def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16") -> None:
+    """Random weights in HF names, written shard by shard so host memory stays small; expert
+    weights quantized to `experts` unless it is bf16."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
+
+    from libkk.quant.checkpoint import QUANT_CONFIG, quant_config, quantize_tensor
 
     if (path / "config.json").exists():
         return
@@ -106,12 +117,16 @@ def write_checkpoint(shape: str, path: Path, device: str) -> None:
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         }
         if "num_experts" in cfg:
-            inter, experts = cfg["moe_intermediate_size"], cfg["num_experts"]
-            t[p + "mlp.gate.weight"] = rand(experts, h)
-            for e in range(experts):
-                t[p + f"mlp.experts.{e}.gate_proj.weight"] = rand(inter, h)
-                t[p + f"mlp.experts.{e}.up_proj.weight"] = rand(inter, h)
-                t[p + f"mlp.experts.{e}.down_proj.weight"] = rand(h, inter)
+            inter, num_experts = cfg["moe_intermediate_size"], cfg["num_experts"]
+            t[p + "mlp.gate.weight"] = rand(num_experts, h)
+            for e in range(num_experts):
+                for proj, dims in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
+                                   ("down_proj", (h, inter))):  # fmt: skip
+                    name = p + f"mlp.experts.{e}.{proj}.weight"
+                    if experts == "bf16":
+                        t[name] = rand(*dims)
+                    else:
+                        t.update(quantize_tensor(name, rand(*dims).float(), experts))
         else:
             inter = cfg["intermediate_size"]
             t[p + "mlp.gate_proj.weight"] = rand(inter, h)
@@ -139,7 +154,31 @@ def write_checkpoint(shape: str, path: Path, device: str) -> None:
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if experts != "bf16":
+        (path / QUANT_CONFIG).write_text(json.dumps(quant_config(experts)))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks the folder done
+
+
+def expert_bytes(cfg: dict, experts: str) -> int:
+    """Bytes of one expert's three projections in format `experts` (scales included)."""
+    if "num_experts" not in cfg:
+        return 0
+    elements = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    per_element = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+    return int(elements * per_element[experts.removesuffix("-csf")])
+
+
+def step_bytes(cfg: dict, weights_bytes: int, experts: str, batch: int, context: int) -> float:
+    """Bytes one decode step must read (see the module docstring)."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    embedding = cfg["vocab_size"] * h * 2 * (not cfg["tie_word_embeddings"])
+    total = weights_bytes - embedding + batch * h * 2
+    if "num_experts" in cfg:
+        e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+        touched = e * (1 - (1 - k / e) ** batch)
+        total -= (e - touched) * layers * expert_bytes(cfg, experts)
+    kv_per_token = 2 * layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    return total + batch * context * kv_per_token
 
 
 def copy_bandwidth(device: str) -> float:
@@ -252,6 +291,12 @@ def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument(
+        "--experts",
+        choices=["bf16", "nvfp4", "mxfp4", "nvfp4-csf", "mxfp4-csf"],
+        default="bf16",
+        help="expert weight format of MoE shapes (written pre-quantized)",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
@@ -266,24 +311,27 @@ def main() -> None:
         help="libkk launches each step before the previous step's tokens reach the host",
     )
     args = ap.parse_args()
+    cfg = {**COMMON, **SHAPES[args.shape]}
+    if args.experts != "bf16" and "num_experts" not in cfg:
+        ap.error(f"--experts {args.experts} needs an MoE shape, not {args.shape}")
+    if args.experts != "bf16" and not args.no_peer:
+        print("no transformers row: it cannot run pre-quantized 4-bit experts", flush=True)
+        args.no_peer = True
 
-    path = Path(args.dir) / args.shape
+    name = args.shape if args.experts == "bf16" else f"{args.shape}-{args.experts}"
+    path = Path(args.dir) / name
     t0 = time.perf_counter()
-    write_checkpoint(args.shape, path, "cuda")
+    write_checkpoint(args.shape, path, "cuda", args.experts)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}")
     bandwidth = copy_bandwidth("cuda")
-    cfg = {**COMMON, **SHAPES[args.shape]}
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     rows = []
     for batch in args.batch:
         profile = args.profile and batch == args.batch[0]
         kk = bench_libkk(
             path, batch, args.prompt, args.tokens, args.repeats, profile, args.async_scheduling
         )
-        # Bytes one decode step must move: every weight once (the MoE shape reads only the
-        # experts a batch routes to; counted here as all of them, an upper bound) + the KV read.
         ctx = args.prompt + args.tokens // 2
-        floor_ms = (kk["weights_bytes"] + batch * ctx * kv_per_token) / bandwidth * 1e3
+        floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3
         row = {
             "batch": batch,
             "libkk_ms": statistics.median(kk["ms_per_step"]),
@@ -300,7 +348,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
-        f"\n{args.shape} decode{' (async scheduling)' if args.async_scheduling else ''}, "
+        f"\n{name} decode{' (async scheduling)' if args.async_scheduling else ''}, "
         f"prompt {args.prompt}, {args.tokens} tokens, "
         f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
     )
@@ -317,7 +365,10 @@ def main() -> None:
             f"{r['floor_ms']:>10.2f}{100 * r['floor_ms'] / r['libkk_ms']:>9.0f}"
         )
     Path(args.out).write_text(
-        json.dumps({"shape": args.shape, "rows": rows, "bandwidth": bandwidth}, indent=2)
+        json.dumps(
+            {"shape": args.shape, "experts": args.experts, "rows": rows, "bandwidth": bandwidth},
+            indent=2,
+        )
     )
 
 

@@ -14,7 +14,8 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
 
 Decode tok/s = requests * tokens / the slowest request's decode time (first token to last).
 The floor for a speculative row is its measured acceptance length * requests per weight read:
-a verification step reads the weights at least once (weight bytes / measured copy bandwidth).
+a verification step reads the weights at least once (decode.py's `step_bytes` without the KV
+cache / measured copy bandwidth).
 `--peer` adds Hugging Face transformers' plain greedy decode at each batch (decode.py's).
 
     python benchmarks/spec.py --batch 1 8 32 [--shape qwen3-8b] [--out spec.json]
@@ -33,11 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (  # noqa: E402
+    COMMON,
     SHAPES,
     bench_transformers,
     copy_bandwidth,
     profile_decode,
     prompts,
+    step_bytes,
     write_checkpoint,
 )
 
@@ -134,7 +137,8 @@ def main() -> None:
     t0 = time.perf_counter()
     write_checkpoint(args.shape, path, args.device)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}", flush=True)
-    vocab = SHAPES[args.shape]["vocab_size"]
+    cfg = {**COMMON, **SHAPES[args.shape]}
+    vocab = cfg["vocab_size"]
     bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else None
     rows = []
     for batch in args.batch:
@@ -162,7 +166,8 @@ def main() -> None:
             row["speedup"] = row["tok_s"] / base if base else None
             if bandwidth:
                 per_read = row.get("acceptance_length", 1.0) * batch
-                row["floor_tok_s"] = per_read * bandwidth / row["weights_bytes"]
+                read = step_bytes(cfg, row["weights_bytes"], "bf16", batch, context=0)
+                row["floor_tok_s"] = per_read * bandwidth / read
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.device == "cuda":
