@@ -10,11 +10,16 @@ copies of the layer rotate so the touched experts are not served from L2. Also: 
 time of one layer's scales vs the layer time.
 
 Run on the GPU machine: python benchmarks/moe.py --json moe.json   (about 3-5 minutes)
+
+`--sweep` instead times the fused path over a grid of tile configurations at each token count
+(CUDA-graph replays, same inputs) and prints the fastest few beside the default table's choice:
+what `kernels/moe.py`'s DECODE_CONFIG / PREFILL_CONFIG should be.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
@@ -159,6 +164,48 @@ def bench_fused(fmt: str, layers: list[dict], t: int, floors: dict) -> dict:
     }
 
 
+def sweep_configs(t: int) -> list:
+    """Tile configurations worth trying at t tokens (decode sizes: small M tiles, many N tiles)."""
+    import itertools
+
+    from libkk.kernels.moe import MoeTileConfig
+
+    if t <= 64:
+        grid = itertools.product([16], [16, 32, 64], [128, 256], [4, 8], [2, 3, 4])
+    else:
+        grid = itertools.product([64, 128], [64, 128], [64, 128], [4, 8], [3])
+    return [MoeTileConfig(*c) for c in grid]
+
+
+def sweep_fused(fmt: str, layers: list[dict], t: int, budget_s: float) -> list[dict]:
+    """Per-layer time of each tile configuration at t tokens, fastest first."""
+    from libkk.kernels.moe import default_tile_config, fused_moe_w4a16
+
+    inputs = [routing(t, seed=100 * t + i) for i in range(COPIES)]
+    default = default_tile_config(t)
+    results = []
+    deadline = time.monotonic() + budget_s
+    for cfg in [default, *[c for c in sweep_configs(t) if c != default]]:
+        if time.monotonic() > deadline:
+            break
+
+        def run_all(cfg=cfg):
+            for layer, (x, w, ids) in zip(layers, inputs, strict=True):
+                fused_moe_w4a16(x, *layer_args(layer), w, ids, fmt, cfg)
+
+        try:
+            run_all()  # compile
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_all()
+            per_layer = time_cuda(graph.replay, iters=20 if t <= 256 else 5) / COPIES
+        except Exception as e:  # a tile the compiler or the device refuses (shared memory)
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+            continue
+        results.append({"config": cfg, "time_us": per_layer * 1e6, "default": cfg == default})
+    return sorted(results, key=lambda r: r.get("time_us", float("inf")))
+
+
 def bench_bf16(t: int, w13: torch.Tensor, w2: torch.Tensor) -> dict:
     from libkk.layers.moe import fused_moe_ref
 
@@ -197,8 +244,12 @@ def main() -> None:
     parser.add_argument("--json", default="moe_bench.json")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--sweep", action="store_true", help="time tile configurations")
     opts = parser.parse_args()
     tokens = [int(x) for x in opts.tokens.split(",")]
+    if opts.sweep:
+        sweep(opts.formats.split(",")[0], tokens, opts.json)
+        return
     results: dict = {"device": torch.cuda.get_device_name(), "shape": {
         "experts": E, "top_k": TOP_K, "hidden": HIDDEN, "moe_intermediate": INTER}}  # fmt: skip
     errors: list[str] = []
@@ -281,6 +332,24 @@ def main() -> None:
         print("ERROR:", e)
     save()
     print(f"wrote {opts.json}")
+
+
+def sweep(fmt: str, tokens: list[int], out: str) -> None:
+    layers = [quantized_layer(fmt, seed=i) for i in range(COPIES)]
+    found = {}
+    for i, t in enumerate(tokens):
+        budget = _left() / (len(tokens) - i) - 5
+        rows = sweep_fused(fmt, layers, t, budget)
+        found[t] = [{**r, "config": dataclasses.astuple(r["config"])} for r in rows]
+        timed = [r for r in rows if "time_us" in r]
+        default = next((r for r in timed if r["default"]), None)
+        default_us = f"{default['time_us']:.1f} us" if default else "not timed"
+        print(f"\n{fmt}, {t} tokens: {len(timed)} configurations timed, "
+              f"{len(rows) - len(timed)} refused; default {default_us}")  # fmt: skip
+        for r in timed[:5]:
+            print(f"  {r['time_us']:8.1f} us  {dataclasses.astuple(r['config'])}")
+        with open(out, "w") as f:
+            json.dump({"format": fmt, "sweep": found}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
