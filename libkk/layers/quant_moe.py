@@ -17,12 +17,25 @@ attention, so the MoE of layer n - 2, the last reader of that buffer, has alread
 before it on the main stream. Nothing is allocated in the replayed path.
 
 The forward never reads a count on the host, so a packed layer can be captured in a CUDA graph.
+
+Row types. Decode and verification rows always run W4A16 (bf16/fp16 activations: exact against
+the dequantized weights). With `prefill_activations="fp8"`, calibrated input scales and a CUDA
+GPU of compute capability >= 8.9, prefill rows run W4A8 (kernels/moe.py: FP8 e4m3 activations,
+one per-tensor scale per projection). The layer cannot tell a prefill row from a verification row
+by itself (both are requests with several query rows), so the caller declares it: a forward run
+inside `prefill_only_step()` has only prefill rows. Mixed steps are not split: they run W4A16.
+The choice is made at run time, outside torch.compile's trace (an opaque op, as attention does),
+and never inside a CUDA graph capture: a replay runs no Python, and captured graphs serve decode.
+Per-tensor FP8 scales: the largest calibrated input scale over the layer's experts (the input is
+shared by every expert before routing), converted from the checkpoint's convention
+(`FP8_SCALE_PER_INPUT_SCALE`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,7 +46,13 @@ from torch import nn
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.csf import csf_expand, max_records_per_slab
-from libkk.kernels.moe import GROUP, fused_moe_w4a16, fused_moe_w4a16_ref
+from libkk.kernels.moe import (
+    GROUP,
+    fused_moe_w4a8,
+    fused_moe_w4a8_ref,
+    fused_moe_w4a16,
+    fused_moe_w4a16_ref,
+)
 from libkk.layers.linear import check_shape
 from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
 
@@ -72,6 +91,36 @@ def moe_options(options: MoeOptions) -> Iterator[None]:
 
 def current_moe_options() -> MoeOptions:
     return _OPTIONS.get() or MoeOptions()
+
+
+# Per-tensor FP8 scale (amax / 448) per unit of the checkpoint's `input_scale`. ModelOpt's NVFP4
+# input_scale is the NVFP4 activation global scale, amax / (6 * 448) (activations as E2M1 x E4M3);
+# MXFP4 has no activation-scale convention of its own, so an MXFP4 input_scale is read as FP8's.
+FP8_SCALE_PER_INPUT_SCALE = {"nvfp4": 6.0, "mxfp4": 1.0}
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: fp8 tensor-core dots
+
+_PREFILL_STEP: ContextVar[bool] = ContextVar("libkk_moe_prefill_step", default=False)
+
+
+@contextlib.contextmanager
+def prefill_only_step() -> Iterator[None]:
+    """Declares that every row of the forwards run inside is a prefill row (a prompt token of a
+    request verifying no drafts): packed MoE layers may then run FP8 activations (see above)."""
+    token = _PREFILL_STEP.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL_STEP.reset(token)
+
+
+def fp8_activations_unsupported(device: torch.device) -> str | None:
+    """Why FP8-activation kernels cannot run on `device`, or None when they can."""
+    if device.type != "cuda":
+        return f"FP8 activations need a CUDA GPU (the layer is on {device.type})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        return f"FP8 activations need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    return None
 
 
 def map_expert_part_name(
@@ -152,6 +201,9 @@ class QuantFusedMoE(nn.Module):
         self.w13_input_scale.optional = True  # type: ignore[attr-defined]
         self.w2_input_scale.optional = True  # type: ignore[attr-defined]
         self._prefetch: _CsfLayer | None = None
+        # Whether prefill-only steps run W4A8: settled by `settle_row_kernels` after loading.
+        self.fp8_prefill = False
+        self.layer_key = _register_layer(self)
         # With csf_prefetch: the checkpoint's CSF blobs, by (param, expert, part), so the layer's
         # compressed scales are assembled from them instead of encoded again at load.
         self._csf_blobs: dict[tuple[str, int, int], CSFTensor] = {}
@@ -214,29 +266,75 @@ class QuantFusedMoE(nn.Module):
         topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
         topk_ids: torch.Tensor,  # [num_tokens, top_k]
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if not self.fp8_prefill:
+            return self.run_experts(hidden, topk_weights, topk_ids, fp8=False)
+        if torch.compiler.is_compiling():  # decide per step at run time, not at trace time
+            return torch.ops.libkk.packed_moe_by_row_type(
+                hidden, topk_weights, topk_ids, self.layer_key
+            )
+        return self.run_experts(hidden, topk_weights, topk_ids, fp8=self.step_runs_fp8(hidden))
+
+    def step_runs_fp8(self, hidden: torch.Tensor) -> bool:
+        """W4A8 for this forward: enabled for the layer, a declared prefill-only step, and not
+        being captured into a CUDA graph (a replay could be any step)."""
+        if not (self.fp8_prefill and _PREFILL_STEP.get()):
+            return False
+        return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def run_experts(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        fp8: bool,
+    ) -> torch.Tensor:
         s13, s2 = self.scales()
-        args = (hidden, self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
-                self.w2_weight_scale_2, topk_weights, topk_ids, self.weight_format)  # fmt: skip
-        if hidden.device.type == "cuda" or INTERPRETED:
-            return fused_moe_w4a16(*args)
-        return fused_moe_w4a16_ref(*args)  # a packed layer on the CPU: dequantize and loop
+        weights = (self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
+                   self.w2_weight_scale_2)  # fmt: skip
+        kernels = hidden.device.type == "cuda" or INTERPRETED  # else: dequantize and loop (CPU)
+        if fp8:
+            x_scale, a_scale = self.fp8_scales()
+            args = (hidden, *weights, x_scale, a_scale, topk_weights, topk_ids, self.weight_format)
+            return fused_moe_w4a8(*args) if kernels else fused_moe_w4a8_ref(*args)
+        args = (hidden, *weights, topk_weights, topk_ids, self.weight_format)
+        return fused_moe_w4a16(*args) if kernels else fused_moe_w4a16_ref(*args)
+
+    def fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor FP8 scales ([1] fp32 each, on the device) of the experts' input and of the
+        down projection's input: the largest calibrated scale over the experts."""
+        factor = FP8_SCALE_PER_INPUT_SCALE[self.weight_format]
+        return (
+            (self.w13_input_scale.amax() * factor).reshape(1),
+            (self.w2_input_scale.amax() * factor).reshape(1),
+        )
 
     def input_scales_calibrated(self) -> bool:
         return bool((self.w13_input_scale > 0).all()) and bool((self.w2_input_scale > 0).all())
+
+    def prefill_fp8_blocker(self) -> str | None:
+        """Why prefill rows cannot run FP8 activations, or None when they can."""
+        if self.options.prefill_activations != "fp8":
+            return "FP8 activations not requested"
+        if not self.input_scales_calibrated():
+            return "FP8 activations requested but the layer has no calibrated input scales"
+        return fp8_activations_unsupported(self.w13_weight.device)
+
+    def settle_row_kernels(self) -> None:
+        """After loading (scales in place, layer on its device): whether prefill-only steps may
+        run W4A8. Reads the input scales on the host, so it runs once, not per forward."""
+        self.fp8_prefill = self.prefill_fp8_blocker() is None
 
     def describe(self) -> str:
         """What each row type runs, for the start-up log."""
         fmt = self.weight_format.upper()
         w4 = f"W4A16 ({fmt} weights, bf16/fp16 activations)"
-        if self.options.prefill_activations != "fp8":
-            prefill = f"{w4}; FP8 activations not requested"
-        elif not self.input_scales_calibrated():
-            prefill = (
-                f"{w4}; FP8 activations requested but the layer has no calibrated input scales"
-            )
+        blocker = self.prefill_fp8_blocker()
+        if blocker is not None:
+            prefill = f"{w4}; {blocker}"
         else:
             prefill = (
-                f"{w4}; FP8 activations requested, scales present, but no FP8-activation kernel"
+                f"W4A8 ({fmt} weights, FP8 e4m3 activations with per-tensor input scales) in "
+                f"steps declared prefill-only, outside CUDA graphs; {w4} otherwise"
             )
         csf = ", scales CSF-prefetched" if self._prefetch is not None else ""
         return f"decode/verify rows: {w4}; prefill rows: {prefill}{csf}"
@@ -246,6 +344,35 @@ class QuantFusedMoE(nn.Module):
             f"experts={self.num_experts}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, format={self.weight_format}"
         )
+
+
+# Packed layers by key, for the opaque op that picks a row type's kernels at run time.
+_LAYERS: dict[int, weakref.ref[QuantFusedMoE]] = {}
+_next_key = 0
+
+
+def _register_layer(layer: QuantFusedMoE) -> int:
+    global _next_key
+    key = _next_key
+    _next_key += 1
+    _LAYERS[key] = weakref.ref(layer, lambda _: _LAYERS.pop(key, None))
+    return key
+
+
+@torch.library.custom_op("libkk::packed_moe_by_row_type", mutates_args=())
+def _packed_moe_by_row_type(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int
+) -> torch.Tensor:
+    layer = _LAYERS[layer_key]()
+    if layer is None:
+        raise RuntimeError(f"packed MoE layer {layer_key} no longer exists")
+    fp8 = layer.step_runs_fp8(hidden)
+    return layer.run_experts(hidden, topk_weights, topk_ids, fp8=fp8)
+
+
+@_packed_moe_by_row_type.register_fake
+def _(hidden, topk_weights, topk_ids, layer_key):
+    return torch.empty_like(hidden)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,8 +537,8 @@ class CsfPrefetcher:
 
 
 def finalize_moe_layers(model: nn.Module, options: MoeOptions) -> list[str]:
-    """After loading: set up CSF prefetch (CUDA, packed experts) and log one line per MoE layer
-    naming what each row type runs. Returns the logged lines."""
+    """After loading: set up CSF prefetch (CUDA, packed experts), settle which kernels each row
+    type runs, and log one line per MoE layer naming them. Returns the logged lines."""
     packed = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantFusedMoE)]
     if options.csf_prefetch and packed:
         if packed[0][1].w13_weight.device.type == "cuda":
@@ -424,6 +551,7 @@ def finalize_moe_layers(model: nn.Module, options: MoeOptions) -> list[str]:
     lines = []
     for name, module in model.named_modules():
         if isinstance(module, QuantFusedMoE):
+            module.settle_row_kernels()
             lines.append(f"MoE {name}: {module.describe()}")
         elif type(module).__name__ == "FusedMoE":
             dtype = module.w13_weight.dtype
