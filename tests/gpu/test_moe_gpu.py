@@ -1,7 +1,9 @@
 """Quantized MoE on CUDA at real shapes (Qwen3-30B-A3B: 128 experts, top-8, hidden 2048,
 moe_intermediate 768) in bf16: routing, align, fused W4A16 GEMMs vs torch references; CSF expansion
 bit-exact; CUDA graph capture of the fused path and of CSF prefetch; a tiny Qwen3-MoE model whose
-greedy tokens with packed experts equal the dequantized-weights reference.
+greedy tokens with packed experts equal the dequantized-weights reference. FP8-activation (W4A8)
+prefill kernels vs their reference, and the layer's choice by step type eagerly, under
+torch.compile and inside a graph capture (needs compute capability >= 8.9).
 
 Run: python -m pytest -q -m gpu tests/gpu/test_moe_gpu.py
 """
@@ -28,10 +30,13 @@ from torch import nn  # noqa: E402
 
 from libkk.layers.moe import SparseMoeBlock  # noqa: E402
 from libkk.layers.quant_moe import (  # noqa: E402
+    FP8_SCALE_PER_INPUT_SCALE,
     MoeOptions,
     QuantFusedMoE,
     finalize_moe_layers,
+    fp8_activations_unsupported,
     moe_options,
+    prefill_only_step,
 )
 from libkk.models.loader import load_model  # noqa: E402
 from libkk.quant.csf import decode_csf, encode_csf  # noqa: E402
@@ -177,9 +182,10 @@ class _Layer(nn.Module):
         return x + self.mlp(self.self_attn(x))
 
 
-def _moe_stack(prefetch: bool, fmt: str = "nvfp4") -> nn.Module:
+def _moe_stack(prefetch: bool, fmt: str = "nvfp4", activations: str | None = None) -> nn.Module:
     torch.manual_seed(0)
-    with torch.device(DEV), moe_options(MoeOptions(fmt, prefetch, None)):
+    options = MoeOptions(fmt, prefetch, activations)
+    with torch.device(DEV), moe_options(options):
         model = nn.Sequential(*[_Layer(SparseMoeBlock(64, 16, 4, 64, True)) for _ in range(3)])
     for n, layer in enumerate(model):
         experts = layer.mlp.experts
@@ -196,8 +202,37 @@ def _moe_stack(prefetch: bool, fmt: str = "nvfp4") -> nn.Module:
         # activations in bf16; the packed weights and their fp32 scales stay as they are
         layer.self_attn.to(torch.bfloat16)
         layer.mlp.gate.to(torch.bfloat16)
-    finalize_moe_layers(model, MoeOptions(fmt, prefetch, None))
+    if activations == "fp8":
+        _calibrate(model, torch.randn(64, 64, device=DEV, dtype=torch.bfloat16))
+    finalize_moe_layers(model, options)
     return model
+
+
+def _calibrate(model: nn.Module, x: torch.Tensor) -> None:
+    """Input scales as a calibration would store them: amax / 448 of each experts' input and of
+    SiLU(gate) * up over every expert (a superset of the routed ones), in the checkpoint's
+    convention."""
+    seen = {}
+
+    def record(module, args):  # returns None: the inputs pass on unchanged
+        seen.setdefault(id(module), args[0].float())
+
+    hooks = [layer.mlp.experts.register_forward_pre_hook(record) for layer in model]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    for layer in model:
+        m = layer.mlp.experts
+        xin = seen[id(m)]
+        w13 = M.dequantize_w4_ref(m.w13_weight, m.w13_weight_scale, m.w13_weight_scale_2,
+                                  m.weight_format, torch.float32)  # fmt: skip
+        h = torch.einsum("tk,enk->etn", xin, w13)
+        gate, up = h.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        factor = 448 * FP8_SCALE_PER_INPUT_SCALE[m.weight_format]
+        m.w13_input_scale.data.fill_(xin.abs().max().item() / factor)
+        m.w2_input_scale.data.copy_(act.abs().amax(dim=(1, 2))[:, None] / factor)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -308,3 +343,116 @@ def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
                 assert s.engine.runner.graphs is not None and s.engine.runner.graphs.graphs
             out[mode] = [o.token_ids for o in s.generate(prompts, params)]
     assert out["FULL_DECODE_ONLY"] == out["NONE"]
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 activations (W4A8) for prefill rows
+
+needs_fp8 = pytest.mark.skipif(
+    fp8_activations_unsupported(torch.device(DEV)) is not None,
+    reason="FP8-activation kernels need compute capability >= 8.9",
+)
+
+
+def _fp8_scales(layer, x, ids):
+    """Per-tensor scales from this batch (amax / 448 of x and of the W4A16 intermediate)."""
+    fmt, w13, s13, g13, *_ = layer
+    t = x.shape[0]
+    x_scale = (x.float().abs().amax() / 448).reshape(1)
+    cfg = M.default_tile_config(t)
+    align = M.moe_align_block_size(ids, E, cfg.block_m)
+    inter = torch.empty(t * TOP_K, INTER, dtype=torch.bfloat16, device=DEV)
+    M.moe_w4a16_gate_up(x, w13, s13, g13, *align, inter, TOP_K, fmt, cfg.block_m, cfg.block_n,
+                        cfg.block_k, cfg.num_warps, cfg.num_stages)  # fmt: skip
+    return x_scale, (inter.float().abs().amax() / 448).reshape(1)
+
+
+@needs_fp8
+@pytest.mark.parametrize("t", [64, 512, 4096])
+def test_fused_moe_w4a8_real_shape(layer, t):
+    fmt, *weights_ = layer
+    x, weights, ids = _inputs(t, seed=t + 30)
+    x_scale, a_scale = _fp8_scales(layer, x, ids)
+    out = M.fused_moe_w4a8(x, *weights_, x_scale, a_scale, weights, ids, fmt)
+    want = M.fused_moe_w4a8_ref(x, *weights_, x_scale, a_scale, weights, ids, fmt)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    err = (out.float() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, f"W4A8 vs its reference: relative error {err:.2e}"
+    exact = M.fused_moe_w4a16_ref(x, *weights_, weights, ids, fmt)
+    err16 = (out.float() - exact.float()).norm() / exact.float().norm()
+    assert err16 < 0.1, f"W4A8 vs W4A16: relative error {err16:.2e}"
+
+
+@needs_fp8
+def test_w4a8_gate_up_codes_real_shape(layer):
+    fmt, w13, s13, g13, *_ = layer
+    t = 256
+    x, _, ids = _inputs(t, seed=40)
+    x_scale, a_scale = _fp8_scales(layer, x, ids)
+    cfg = M.W4A8_PREFILL_CONFIG
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    align = M.moe_align_block_size(ids, E, cfg.block_m)
+    xq = M.quantize_fp8_per_tensor(x, x_scale)
+    act = torch.full((t * TOP_K, INTER), 0x7F, dtype=torch.uint8, device=DEV)
+    act = act.view(torch.float8_e4m3fn)
+    M.moe_w4a8_gate_up(xq, w13, s13, g13, x_scale, a_scale, *align, act, TOP_K, fmt, *tiles)
+    flat = ids.reshape(-1).long()
+    h = torch.empty(t * TOP_K, 2 * INTER, device=DEV)
+    for e in flat.unique().tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        w = M.dequantize_w4_ref(w13[e : e + 1], s13[e : e + 1], g13[e : e + 1], fmt,
+                                torch.float32)[0]  # fmt: skip
+        h[pairs] = xq[pairs // TOP_K].float() @ w.T * x_scale
+    gate, up = h.chunk(2, dim=-1)
+    want = M.quantize_fp8_per_tensor(gate / (1.0 + torch.exp(-gate)) * up, a_scale)
+    assert not act.float().isnan().any()
+    off = act.float() != want.float()
+    assert off.float().mean() < 0.02  # summation order moves the odd value across a boundary
+    # one e4m3 step apart: at most 1/8 of the value (normals) or 2^-9 (subnormals)
+    near = (act.float() - want.float()).abs() <= want.float().abs() / 8 + 2.0**-9
+    assert bool(near[off].all())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_fp8
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_layer_runs_fp8_only_in_declared_prefill_steps(fmt):
+    """Eager, compiled and graph-captured: W4A8 only in a declared prefill-only step that is not
+    being captured; every other step gives exactly the W4A16 output."""
+    # The first MoE block alone (a residual would hide the experts' share of the output).
+    fp8 = _moe_stack(False, fmt, "fp8")[0]
+    plain = _moe_stack(False, fmt)[0]
+    assert fp8.mlp.experts.fp8_prefill and not plain.mlp.experts.fp8_prefill
+    assert "prefill rows: W4A8" in fp8.mlp.experts.describe()
+    x = plain.self_attn(torch.randn(40, 64, device=DEV, dtype=torch.bfloat16)).detach()
+    fp8, plain = fp8.mlp, plain.mlp
+    exact = plain(x)
+    assert torch.equal(fp8(x), exact)  # decode/verify or undeclared rows
+    with prefill_only_step():
+        fast = fp8(x)
+    err = _rel(fast, exact)
+    assert 1e-3 < err < 0.1, f"W4A8 vs W4A16 relative error {err:.2e}"
+
+    # Compiled: the choice is made per call inside the opaque op, not frozen at trace time
+    # (Inductor may round the glue ops differently: close, not equal).
+    compiled = torch.compile(fp8)
+    with torch.inference_mode():  # as the runner calls it (the op has no backward)
+        assert _rel(compiled(x), exact) < 1e-4
+        with prefill_only_step():
+            assert _rel(compiled(x), fast) < 1e-4
+        assert _rel(compiled(x), exact) < 1e-4
+
+    static = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with prefill_only_step(), torch.cuda.graph(graph):  # a capture always takes W4A16
+        out = fp8(static)
+    graph.replay()
+    assert torch.equal(out, exact)
