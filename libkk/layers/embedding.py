@@ -3,7 +3,8 @@
 Under tensor parallelism both are vocab-parallel: rank r holds rows [r * P, (r + 1) * P) of the
 vocabulary, P = ceil(vocab / tp), the last rank's rows past the vocabulary zero-filled. The
 embedding looks up the ids it holds (zeros for the rest) and all-reduces; the head returns this
-rank's logits [N, P], which the model runner gathers to the full vocabulary.
+rank's logits [N, P], which the model runner gathers to the full vocabulary (`gather_logits`),
+or, for vocab-parallel sampling, keeps as they are (`vocab_shard` names the ids they cover).
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ class LMHead(nn.Module):
         # widened, so bf16 logits round the same way as the reference.
         return linear(hidden, self.weight).float()
 
+    @property
+    def vocab_shard(self) -> range:
+        """The token ids of this rank's logits columns (the columns after them are padding)."""
+        return vocab_part(self.vocab_size)[0]
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's [N, vocab / tp] logits side by side: [N, vocab] (a collective)."""
+        if get_tp_size() == 1:
+            return logits
+        return all_gather_last_dim(logits)[:, : self.vocab_size]
+
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
         """The argmax token of each row's full-vocabulary logits (ties to the lowest id) on every
         rank. Under tensor parallelism each rank takes its shard's (max, token) and one [N, 2]
@@ -113,6 +125,19 @@ class LMHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, tied={self.tied}"
+
+
+def vocab_parallel_head(model: nn.Module) -> LMHead | None:
+    """The model's LM head if its logits can be used from vocabulary shards: a plain `LMHead`
+    whose output `compute_logits` only gathers (every libkk model) and that gives every rank at
+    least one token id. None otherwise (callers then gather whole rows)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, LMHead):
+        return None
+    _, per = vocab_part(head.vocab_size)
+    if per * (get_tp_size() - 1) >= head.vocab_size:  # the last rank would hold no token
+        return None
+    return head
 
 
 def shard_argmax_stats(logits: torch.Tensor, vocab_start: int) -> torch.Tensor:

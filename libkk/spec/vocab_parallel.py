@@ -39,8 +39,15 @@ from a differently ordered sum than torch's softmax, so they may differ in the l
 decision flips only when it is that close to a tie (probability ~1e-7 per decision).
 
 Not covered (callers fall back to the full-vocab path): top-k / top-p / min-p (they need a global
-sort or threshold). Per-token processing (penalties, banned ids) is applied by each shard to its
-slice before calling in.
+sort or threshold). Per-token processing (penalties, banned ids) could be applied by each shard to
+its slice before calling in; the engine falls back for it instead (`row_covered`).
+
+In the engine (tensor parallelism with `speculative.vocab_parallel_drafting`): every rank's DFlash
+proposer drafts from its LM-head shard and keeps that shard of each sampled request's draft
+logits (`ShardDrafts`, by request id; the proposal itself carries no logits, so the broadcast step
+stays small), and every rank's model runner verifies a step's drafts from its target-logit shard
+with `gather = tp_gather`. A step with any row not covered is verified on whole rows (the stored
+shards gathered back into q), decided alike on every rank from the broadcast step.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from libkk.dist import get_tp_state
 from libkk.errors import SpeculationInputError
 from libkk.sample.gumbel import (
     DRAFT_POSITION_SALT,
@@ -60,6 +68,7 @@ from libkk.sample.gumbel import (
     uniform_to_gumbel_,
 )
 from libkk.sample.rejection import ACCEPT_POSITION_SALT
+from libkk.sample.sampler import SamplingRow
 from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
 
 Gather = Callable[[list[Tensor]], Tensor]
@@ -75,6 +84,40 @@ _CPU_BLOCK_ELEMS = 1 << 20
 def stack_gather(tensors: list[Tensor]) -> Tensor:
     """The gather of one process that holds every shard."""
     return torch.stack(tensors)
+
+
+def tp_gather(tensors: list[Tensor]) -> Tensor:
+    """The gather under tensor parallelism: this rank's one shard in, every rank's out, stacked in
+    rank order (which is vocab order) over the tensor-parallel group. A collective."""
+    if len(tensors) != 1:
+        raise SpeculationInputError(f"tp_gather takes this rank's one shard, got {len(tensors)}")
+    state = get_tp_state()
+    x = tensors[0].contiguous()
+    if state.world_size == 1:
+        return x[None]
+    parts = [torch.empty_like(x) for _ in range(state.world_size)]
+    torch.distributed.all_gather(parts, x, group=state.group)
+    return torch.stack(parts)
+
+
+def row_covered(row: SamplingRow, vocab_size: int) -> bool:
+    """Whether a row's processing is at most a temperature (no banned id, penalty, top-k, top-p
+    or min-p), so that its tokens can come from vocab shards. Later rows of the same request
+    (`libkk.spec.logits.position_rows`) then are covered too: they only lift bans."""
+    if not row.keeps_raw_argmax():
+        return False
+    p = row.params
+    return p.greedy or not (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+@dataclass
+class ShardDrafts:
+    """One rank's share of a request's sampled drafts, kept for their verification."""
+
+    token_ids: list[int]  # the drafts, in order
+    logits: Tensor  # [n, Vs] fp32 raw draft logits of this rank's vocab shard
+    logprobs: Tensor  # [n] fp32 log q(draft) (DraftSample.logprobs)
+    lse: Tensor  # [n] fp32 the draft's log-sum-exp of logits / T (DraftSample.lse)
 
 
 def vocab_starts(shard_sizes: Sequence[int]) -> list[int]:
