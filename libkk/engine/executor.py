@@ -10,7 +10,8 @@ Start-up (the Engine drives rank 0 through these calls):
 
 Each step, `TPModelRunner.execute` broadcasts the plain-data SchedulerOutput over the gloo control
 group, then every rank runs its ModelRunner on it; the forward's collectives keep them in step.
-Every rank computes the full-vocabulary logits; rank 0's sampled tokens are the step's result.
+Every rank computes the full-vocabulary logits (greedy rows: the argmax from vocabulary shards);
+rank 0's sampled tokens are the step's result.
 
 Speculation: every rank builds the same proposer, since a model drafter's forward runs
 collectives (DFlash splits like the target). Rank 0's proposer is a `TPProposer` that queues the
@@ -18,6 +19,11 @@ engine's calls (remove, add_context, propose) and, at each propose or before the
 broadcasts them as one `ProposerCalls`; every rank then makes the same calls in the same order.
 A worker takes each add_context's hidden states from its own step outputs (the residual stream
 is the same on every rank), so no tensor is sent. Rank 0's drafts are the ones used.
+
+Vocab-parallel drafting (`speculative.vocab_parallel_drafting`): each rank's DFlash proposer keeps
+its vocabulary shard of sampled drafts' logits, and each rank's runner is linked to them
+(`ModelRunner.use_vocab_parallel`), so every rank verifies the drafts from its own shards in
+step (libkk/spec/vocab_parallel.py); rank 0's verified tokens are the ones used.
 
 Failure: a worker reports its exception over its pipe and exits; rank 0 checks the workers before
 each step and converts a failed collective into `TensorParallelError` naming the worker, its exit
@@ -154,6 +160,7 @@ class TPExecutor:
         self.timeout_s = config.parallel.worker_timeout_s
         self.failure: str | None = None
         self.proposer: TPProposer | None = None
+        self._runner: ModelRunner | None = None
         self._closed = False
         self._ready = False  # every worker is in its step loop (a stop message reaches it)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -194,10 +201,12 @@ class TPExecutor:
         """Waits until every worker built its runner; returns rank 0's step entry."""
         self._wait_for("ready", deadline=None)
         self._ready = True
+        self._runner = runner
         return TPModelRunner(runner, self)
 
     def wrap_proposer(self, proposer: Proposer) -> TPProposer:
-        """Rank 0's proposer: its calls are made on every rank, in step."""
+        """Rank 0's proposer: its calls are made on every rank, in step (call after `wrap`)."""
+        link_vocab_parallel(self._runner, proposer)
         self.proposer = TPProposer(proposer, self)
         return self.proposer
 
@@ -433,6 +442,16 @@ class TPProposer(Proposer):
         return getattr(self.proposer, name)
 
 
+def link_vocab_parallel(runner: ModelRunner | None, proposer: Proposer) -> None:
+    """A proposer drafting from vocab shards keeps its shard of sampled drafts' logits: the
+    runner of the same rank verifies from those (every rank links alike)."""
+    if not getattr(proposer, "vocab_parallel", False):
+        return
+    if runner is None:
+        raise RuntimeError("link the vocab-parallel proposer after the runner is wrapped")
+    runner.use_vocab_parallel(proposer.shard_drafts)  # type: ignore[attr-defined]
+
+
 def _make_call(proposer: Proposer, call: tuple, hidden: torch.Tensor | None) -> Any:
     kind = call[0]
     if kind == "remove":
@@ -626,6 +645,7 @@ def _worker_main(
         )
         if proposer is not None:
             runner.set_speculation(spec.aux_layers, spec.synthetic_rates)
+            link_vocab_parallel(runner, proposer)
         # Rank 0 samples: a worker's runner computes the logits (the vocabulary gather is a
         # collective every rank joins) and skips the sampler.
         runner.sampler = _NoSampler()

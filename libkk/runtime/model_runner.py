@@ -18,15 +18,17 @@ from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, compile_forward
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
 from libkk.layers.attention import kv_scale_calibration_pending
+from libkk.layers.embedding import LMHead, vocab_parallel_head
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.layers.moe import FusedMoE
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
 from libkk.runtime.io import LaunchedStep, LogprobTensors, ModelRunnerOutput, SchedulerOutput
-from libkk.runtime.verify import verify
+from libkk.runtime.verify import shards_cover, verify, verify_from_shards
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import Sampler, SamplingRow, apply_penalties, sample_random
+from libkk.spec.vocab_parallel import ShardDrafts, tp_gather
 
 
 class ModelRunner:
@@ -34,6 +36,10 @@ class ModelRunner:
     # and synthetic acceptance rates (None: exact verification).
     aux_hidden_layers: tuple[int, ...] = ()
     synthetic_rates: list[float] | None = None
+    # Vocab-parallel verification (use_vocab_parallel): the LM head whose shard logits every
+    # rank verifies from, and the proposer's kept shards of sampled drafts.
+    vocab_head: LMHead | None = None
+    shard_drafts: dict[str, ShardDrafts] | None = None
 
     def __init__(
         self,
@@ -189,6 +195,19 @@ class ModelRunner:
         if self.aux_hidden_layers:
             self.model.set_aux_hidden_layers(self.aux_hidden_layers)
 
+    def use_vocab_parallel(self, shard_drafts: dict[str, ShardDrafts]) -> None:
+        """Tensor parallelism with vocab-parallel drafting: every rank's runner verifies drafts
+        from its vocab shard of the target logits, with q of sampled drafts from
+        `shard_drafts` (the proposer's, on this rank). Every rank must run the same steps."""
+        head = vocab_parallel_head(self.model)
+        if head is None or get_tp_size() == 1:
+            raise ValueError(
+                "vocab-parallel verification needs tensor parallelism and a model whose LM head "
+                "gives every rank a vocabulary shard"
+            )
+        self.vocab_head = head
+        self.shard_drafts = shard_drafts
+
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
@@ -309,11 +328,12 @@ class ModelRunner:
         self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
         out: ModelRunnerOutput,
     ) -> None:  # fmt: skip
-        """Plain rows through the sampler, rows with drafts through verification."""
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum(1 + n), vocab]
+        """Plain rows through the sampler, rows with drafts through verification: from this
+        rank's vocab shard when this runner verifies vocab-parallel and the step allows it (the
+        same decision on every rank: it reads only the broadcast step), else on whole rows."""
         by_id = {r.request_id: r for r in sched_out.requests}
         plain, plain_rows, plain_at = [], [], []
-        spec, spec_logits = [], []
+        spec, spec_at = [], []
         offset = 0
         for rid, row, n in zip(
             batch.sampling_request_ids, batch.sampling_rows, batch.num_spec, strict=True
@@ -324,18 +344,72 @@ class ModelRunner:
                 plain_at.append(offset)
             else:
                 spec.append(by_id[rid])
-                spec_logits.append(logits[offset : offset + n + 1])  # [1 + n, vocab]
+                spec_at.append(offset)
             offset += n + 1
-        if plain:
-            idx = torch.tensor(plain_at, device=logits.device)
-            sampled = self.sampler(logits[idx], plain_rows)
+        plain_logits = None
+        head = self.vocab_head
+        shards = (
+            head is not None
+            and self.synthetic_rates is None
+            and shards_cover(spec, head.vocab_size)
+        )
+        if shards:
+            assert head is not None and self.shard_drafts is not None
+            logits = head(hidden[batch.logits_indices])  # [sum(1 + n), vocab / tp]
+            if plain:  # whole rows for the sampler, of these rows only
+                plain_logits = head.gather_logits(logits[_to_device(plain_at, logits.device)])
+            own = head.vocab_shard
+            spec_logits = [
+                logits[at : at + r.num_spec_tokens + 1, : len(own)]
+                for r, at in zip(spec, spec_at, strict=True)
+            ]
+            results = verify_from_shards(
+                spec_logits, spec, own.start, self.shard_drafts, gather=tp_gather
+            )
+        else:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, vocab]
+            if plain:
+                plain_logits = logits[_to_device(plain_at, logits.device)]
+            if head is not None:
+                spec = self._with_gathered_drafts(spec)
+            spec_logits = [
+                logits[at : at + r.num_spec_tokens + 1] for r, at in zip(spec, spec_at, strict=True)
+            ]  # [1 + n, vocab] each
+            results = verify(spec_logits, spec, synthetic_rates=self.synthetic_rates)
+        if plain_logits is not None:
+            sampled = self.sampler(plain_logits, plain_rows)
             for rid, token, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
                 out.sampled_token_ids[rid] = [token]
                 out.logprobs[rid] = [lp]
-        results = verify(spec_logits, spec, synthetic_rates=self.synthetic_rates)
         for r, (tokens, lps) in zip(spec, results, strict=True):
             out.sampled_token_ids[r.request_id] = tokens
             out.logprobs[r.request_id] = lps
+
+    def _with_gathered_drafts(self, spec: list) -> list:
+        """The requests with the whole draft logits of sampled drafts that were drafted from
+        vocab shards (their q, for verification on whole rows): one gather of the kept shards."""
+        head, kept = self.vocab_head, self.shard_drafts
+        assert head is not None and kept is not None
+        stored = [(i, r, kept[r.request_id]) for i, r in enumerate(spec) if r.request_id in kept]
+        if not stored:
+            return spec
+        width = head.weight.shape[0]  # every rank's columns, padding included
+        parts = []
+        for _, r, s in stored:
+            if s.token_ids[: r.num_spec_tokens] != list(r.spec_token_ids):
+                raise RuntimeError(
+                    f"request {r.request_id!r}: the kept draft shard is for drafts "
+                    f"{s.token_ids}, not the verified {list(r.spec_token_ids)}"
+                )
+            part = s.logits[: r.num_spec_tokens]
+            parts.append(F.pad(part, (0, width - part.shape[1])))
+        whole = head.gather_logits(torch.cat(parts)).split(
+            [r.num_spec_tokens for _, r, _ in stored]
+        )
+        spec = list(spec)
+        for (i, r, _), logits in zip(stored, whole, strict=True):
+            spec[i] = dataclasses.replace(r, draft_logits=logits)
+        return spec
 
     def _collect_aux_hidden(
         self,

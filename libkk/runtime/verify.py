@@ -5,6 +5,10 @@ Each row k is processed as the plain sampler would process it had d_0 .. d_{k-1}
 temperature 1 to `rejection_sample` with the processed logits, and greedy rows temperature 0 with
 their penalized logits. q comes from the raw draft logits through the same processing.
 
+`verify_from_shards` is the same verification from this rank's vocab shard of the target logits
+under tensor parallelism (libkk/spec/vocab_parallel.py), for steps whose rows need no processing
+beyond a temperature and no logprobs (`shards_cover`); every rank calls it in step.
+
 `synthetic` (benchmarks only) accepts draft k with a configured probability, keyed like the exact
 test's uniform; the token after the accepted run is then the target's own sample at that row.
 Outputs differ from the target's under it.
@@ -12,7 +16,8 @@ Outputs differ from the target's under it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -22,6 +27,12 @@ from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
 from libkk.sample.sampler import SamplingRow, TokenLogprobs, _logprobs
 from libkk.spec.logits import position_rows, process_logits
+from libkk.spec.vocab_parallel import (
+    Gather,
+    ShardDrafts,
+    row_covered,
+    vocab_parallel_rejection_sample,
+)
 
 
 def verify(
@@ -96,6 +107,89 @@ def verify(
             )
         results.append((tokens, lps))
     return results
+
+
+def shards_cover(requests: Sequence[ScheduledRequest], vocab_size: int) -> bool:
+    """Whether `verify_from_shards` gives these requests' tokens: rows processed by at most a
+    temperature, no logprobs asked, q one-hot or kept in shards (no whole draft logits)."""
+    for r in requests:
+        row = r.sampling
+        if row is None or row.params.logprobs is not None or r.draft_logits is not None:
+            return False
+        if not row_covered(row, vocab_size):
+            return False
+    return True
+
+
+def verify_from_shards(
+    logits: Sequence[Tensor],  # per request [1 + n, Vs] raw target logits of this rank's shard
+    requests: Sequence[ScheduledRequest],
+    vocab_start: int,
+    shard_drafts: Mapping[str, ShardDrafts],
+    gather: Gather,
+) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+    """`verify` from vocab shards (requests must pass `shards_cover`): per request the accepted
+    drafts then one target token, logprobs None. q of a request's drafts is its entry in
+    `shard_drafts` (this rank's shard of sampled drafts), one-hot where it has none."""
+    device = logits[0].device
+    size = logits[0].shape[-1]
+    k = max(r.num_spec_tokens for r in requests)
+    index, drafts_l, offset = [], [], 0
+    for r in requests:
+        n = r.num_spec_tokens
+        index.append([offset + min(j, n) for j in range(k + 1)])
+        drafts_l.append([*r.spec_token_ids[:n], *([0] * (k - n))])
+        offset += n + 1
+    target = torch.cat(list(logits))[torch.tensor(index, device=device)]  # [R, K+1, Vs]
+    drafts = torch.tensor(drafts_l, dtype=torch.int64, device=device)
+    num_draft = torch.tensor([r.num_spec_tokens for r in requests], device=device)
+    rows = [r.sampling for r in requests]
+    temperatures = torch.tensor([row.params.temperature for row in rows], device=device)  # type: ignore[union-attr]
+    seeds = torch.tensor([row.seed for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
+    positions = torch.tensor([row.position for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
+
+    stored = [shard_drafts.get(r.request_id) for r in requests]
+    draft_shards = draft_logprobs = draft_lse = None
+    if any(s is not None for s in stored):
+        # Sampled drafts: q from the kept shard; one-hot drafts: log q = 0 at the draft token
+        # (where this shard holds it), -inf elsewhere; padded slots: -inf everywhere.
+        draft_shards = torch.full((len(requests), k, size), -math.inf, device=device)
+        draft_logprobs = torch.zeros(len(requests), k, device=device)
+        draft_lse = torch.zeros(len(requests), k, device=device)
+        for i, (r, s) in enumerate(zip(requests, stored, strict=True)):
+            n = r.num_spec_tokens
+            if s is None:
+                continue
+            if s.token_ids[:n] != list(r.spec_token_ids):
+                raise RuntimeError(
+                    f"request {r.request_id!r}: the kept draft shard is for drafts "
+                    f"{s.token_ids}, not the verified {list(r.spec_token_ids)}"
+                )
+            draft_shards[i, :n] = s.logits[:n]
+            draft_logprobs[i, :n] = s.logprobs[:n]
+            draft_lse[i, :n] = s.lse[:n]
+        one_hot = torch.tensor([s is None for s in stored], device=device)
+        valid = torch.arange(k, device=device)[None, :] < num_draft[:, None]
+        local = drafts - vocab_start
+        owned = (local >= 0) & (local < size) & valid & one_hot[:, None]  # [R, K]
+        at_row, at_step = owned.nonzero(as_tuple=True)
+        draft_shards[at_row, at_step, local[at_row, at_step]] = 0.0
+
+    out, num_accepted = vocab_parallel_rejection_sample(
+        [target],
+        None if draft_shards is None else [draft_shards],
+        [vocab_start],
+        drafts,
+        draft_logprobs,
+        draft_lse,
+        temperatures,
+        seeds,
+        positions,
+        num_draft,
+        gather=gather,
+    )
+    out_l, accepted = out.tolist(), num_accepted.tolist()
+    return [(out_l[i][: accepted[i] + 1], [None] * (accepted[i] + 1)) for i in range(len(requests))]
 
 
 def _draft_probs(

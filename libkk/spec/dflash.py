@@ -20,6 +20,10 @@ small output gathered (each rank reads 1/N of its rows; every output element is 
 one rank, as the replicated projection computes it), attention heads and the MLP's intermediate
 dimension are split with row-parallel o/down projections, and the embedding lookup and LM head go
 through the target's vocab-parallel layers. Every rank runs the same draft calls in step.
+With `vocab_parallel_drafting`, drafts whose processing is at most a temperature come from each
+rank's LM-head shard (libkk/spec/vocab_parallel.py: one small all-gather per propose); each rank
+keeps its shard of the sampled drafts' logits in `shard_drafts` for the verification of the next
+step, and the proposal carries no logits for them (the model runner reads q from there).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 from libkk.dist import get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError, ModelNotFoundError
 from libkk.layers.attention import attention_backend, store_kv
+from libkk.layers.embedding import vocab_parallel_head
 from libkk.layers.forward_context import AttentionMetadata
 from libkk.layers.linear import (
     WHOLE,
@@ -59,6 +64,7 @@ from libkk.quant.formats import quantize_fp8_block
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
 from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
 from libkk.spec.logits import position_rows, process_logits
+from libkk.spec.vocab_parallel import ShardDrafts, row_covered, tp_gather, vocab_parallel_draft
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -576,10 +582,13 @@ class DFlashProposer(Proposer):
         num_speculative_tokens: int | None = None,
         block_size: int = 16,
         probabilistic: bool = False,
+        vocab_parallel: bool = False,
     ) -> DFlashProposer:
         """A proposer around an already built drafter (tests, training, benchmarks)."""
         self = cls.__new__(cls)
-        self._setup(drafter, target_model, num_speculative_tokens, block_size, probabilistic)
+        self._setup(
+            drafter, target_model, num_speculative_tokens, block_size, probabilistic, vocab_parallel
+        )
         return self
 
     def _setup(
@@ -622,8 +631,14 @@ class DFlashProposer(Proposer):
         self.embedding = embedding
         # Under tensor parallelism the lookup is the target's vocab-parallel layer (a collective).
         self.embed_module = embed_module if get_tp_size() > 1 else None
-        # Greedy drafts from each rank's vocabulary shard (`vocab_parallel_drafting`).
-        self.vocab_parallel = vocab_parallel and get_tp_size() > 1
+        # `vocab_parallel_drafting`: drafts from each rank's LM-head shard (None: whole rows).
+        self.vocab_head = vocab_parallel_head(target_model) if get_tp_size() > 1 else None
+        if not vocab_parallel:
+            self.vocab_head = None
+        self.vocab_parallel = self.vocab_head is not None
+        # This rank's shard of each sampled request's last drafts (vocab-parallel drafting only).
+        self.shard_drafts: dict[str, ShardDrafts] = {}
+        self.vocab_size = vocab_size
         self.num_kv_heads = drafter.layers[0].self_attn.num_kv_heads  # this rank's
         self.num_heads = drafter.layers[0].self_attn.num_heads
         self.target_layer_ids = tuple(cfg.target_layer_ids)
@@ -703,6 +718,7 @@ class DFlashProposer(Proposer):
         state.num_context = offset + num
 
     def remove(self, request_id: str) -> None:
+        self.shard_drafts.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is not None:
             self._free.extend(reversed(state.blocks))
@@ -714,6 +730,8 @@ class DFlashProposer(Proposer):
     def propose(self, requests: list[ProposeRequest]) -> DraftProposal:
         token_ids: list[list[int]] = [[] for _ in requests]
         draft_logits: list[torch.Tensor | None] = [None] * len(requests)
+        for r in requests:  # these requests' earlier drafts are verified or dropped by now
+            self.shard_drafts.pop(r.request_id, None)
         cfg = self.config
         rows = cfg.block_size  # anchor + K masks
         max_pos = cfg.max_position_embeddings
@@ -781,17 +799,86 @@ class DFlashProposer(Proposer):
         # The MASK rows (all but each block's first) predict the tokens at their positions.
         keep = torch.arange(n_rows, device=dev).view(-1, rows)[:, 1:].reshape(-1)
         mask_hidden = hidden[keep].to(self.embedding.dtype)
-        if self.vocab_parallel and all(self._plain_argmax(a[1]) for a in active):
-            drafts = self.target.greedy_tokens(mask_hidden).view(len(active), rows - 1).cpu()
-        else:
-            logits = self.target.compute_logits(mask_hidden)
-            logits = logits.float().view(len(active), rows - 1, -1)  # [A, K, vocab]
+        num_active, k = len(active), rows - 1
+        temps = [self._shard_temperature(a[1]) for a in active]
+        full_logits: dict[int, torch.Tensor] = {}  # active index -> [K, vocab]
+        if self.vocab_head is None:
+            logits = self.target.compute_logits(mask_hidden).float().view(num_active, k, -1)
             drafts = self._sample(logits, active)  # [A, K]
+            full_logits = dict(enumerate(logits))
+        elif all(t == 0.0 for t in temps):  # greedy drafts: one [rows, 2] gather
+            drafts = self.target.greedy_tokens(mask_hidden).view(num_active, k).cpu()
+        else:
+            drafts, full_logits = self._draft_from_shards(mask_hidden, active, temps)
         for j, (i, _, _, n, _) in enumerate(active):
             token_ids[i] = drafts[j, :n].tolist()
-            if self._samples(requests[i]):
-                draft_logits[i] = logits[j, :n]
+            if self._samples(requests[i]) and j in full_logits:
+                draft_logits[i] = full_logits[j][:n]
         return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
+
+    def _shard_temperature(self, r: ProposeRequest) -> float | None:
+        """The temperature a request's drafts take from vocab shards (0: the argmax), or None
+        where they need whole rows (penalties, bans, top-k/top-p/min-p of sampled drafts)."""
+        if self.vocab_head is None or not r.sampling.keeps_raw_argmax():
+            return None
+        if not self._samples(r):
+            return 0.0  # the argmax of any processing that keeps the raw argmax
+        return r.sampling.params.temperature if row_covered(r.sampling, self.vocab_size) else None
+
+    def _draft_from_shards(
+        self, mask_hidden: torch.Tensor, active: list, temps: list[float | None]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Drafts [A, K] from this rank's LM-head shard: covered requests through
+        vocab_parallel_draft (keeping their shard of q in `shard_drafts`), the rest from
+        gathered whole rows; also {active index: [K, vocab] gathered logits} of the rest."""
+        head = self.vocab_head
+        assert head is not None
+        num_active = len(active)
+        shard = head(mask_hidden).float()  # [A * K, P]; columns past the shard's ids: padding
+        k = shard.shape[0] // num_active
+        shard = shard.view(num_active, k, -1)
+        drafts = torch.empty(num_active, k, dtype=torch.int64)
+        dev = shard.device
+        covered = [j for j, t in enumerate(temps) if t is not None]
+        full_logits: dict[int, torch.Tensor] = {}
+        if covered:
+            vocab = head.vocab_shard
+            idx = torch.tensor(covered, device=dev)
+            mine = shard[idx, :, : len(vocab)]  # [C, K, Vs]
+            rows = [active[j][1].sampling for j in covered]
+            temperatures = torch.tensor([temps[j] for j in covered], dtype=torch.float32)
+            seeds = torch.tensor([row.seed for row in rows], dtype=torch.int64)
+            positions = torch.tensor([row.position for row in rows], dtype=torch.int64)
+            steps = torch.arange(k, dtype=torch.int64)
+            sample = vocab_parallel_draft(
+                [mine.reshape(-1, mine.shape[-1])],
+                [vocab.start],
+                temperatures.repeat_interleave(k).to(dev),
+                seeds.repeat_interleave(k).to(dev),
+                (positions[:, None] + steps[None, :]).reshape(-1).to(dev),
+                gather=tp_gather,
+            )
+            tokens = sample.token_ids.view(len(covered), k).cpu()
+            logprobs = sample.logprobs.view(len(covered), k)
+            lse = sample.lse.view(len(covered), k)
+            for c, j in enumerate(covered):
+                drafts[j] = tokens[c]
+                r, n = active[j][1], active[j][3]
+                if self._samples(r):
+                    self.shard_drafts[r.request_id] = ShardDrafts(
+                        token_ids=tokens[c, :n].tolist(),
+                        logits=mine[c, :n],
+                        logprobs=logprobs[c, :n],
+                        lse=lse[c, :n],
+                    )
+        rest = [j for j, t in enumerate(temps) if t is None]
+        if rest:
+            idx = torch.tensor(rest, device=dev)
+            p = shard.shape[-1]
+            logits = head.gather_logits(shard[idx].reshape(-1, p)).view(len(rest), k, -1)
+            drafts[idx.cpu()] = self._sample(logits, [active[j] for j in rest])
+            full_logits = {j: logits[c] for c, j in enumerate(rest)}
+        return drafts, full_logits
 
     def _sample(self, logits: torch.Tensor, active: list) -> torch.Tensor:
         """Drafts from [A, K, vocab] raw logits, position by position: row t is processed as the
@@ -816,11 +903,6 @@ class DFlashProposer(Proposer):
             for j, token in enumerate(tokens.tolist()):
                 drafts[j].append(token)
         return torch.tensor(drafts, dtype=torch.int64)
-
-    def _plain_argmax(self, r: ProposeRequest) -> bool:
-        """Whether this request's drafts are the argmax of the raw logits (greedy drafts whose
-        processing keeps the argmax at every position: bans only lift, penalties are none)."""
-        return not self._samples(r) and r.sampling.keeps_raw_argmax()
 
     def _samples(self, r: ProposeRequest) -> bool:
         """Whether this request's drafts are sampled (else the argmax: one-hot q)."""
