@@ -15,9 +15,13 @@ what it measured; a case that fails or runs out of time is recorded with its err
 shape, K = 7) with full-vocabulary drafting and, at TP > 1, with `vocab_parallel_drafting`: the
 difference in ms per step is what the vocab-parallel greedy drafts save (random weights accept
 almost nothing, so both runs do the same work apart from the drafter's logits).
+`--draft-temperature T` (> 0) makes those cases sample instead: seeded requests at temperature T
+with probabilistic drafts, so the vocab-parallel case drafts and verifies sampled drafts from
+vocab shards (the full-vocab case gathers whole rows for both).
 
     python benchmarks/tp.py [--tp 1 2] [--shapes qwen3-8b qwen3-30b-a3b] [--budget-s 540]
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting
+    python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting --draft-temperature 1
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def run_case(args: argparse.Namespace) -> dict:
             "draft_model": str(Path(args.dir) / f"{args.case_shape}-dflash"),
             "num_speculative_tokens": 7,
             "vocab_parallel_drafting": args.case_drafting == "vocab-parallel",
+            "draft_sampling": "probabilistic" if args.draft_temperature > 0 else "greedy",
         }
     started = time.perf_counter()
     with Session(
@@ -77,7 +82,12 @@ def run_case(args: argparse.Namespace) -> dict:
         start_s = time.perf_counter() - started
         vocab = s.engine.arch.vocab_size
         s.generate(decode.prompts(2, 16, vocab), SamplingParams(max_tokens=4, ignore_eos=True))
-        params = SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=args.tokens + 1,
+            temperature=args.draft_temperature if speculative else 0.0,
+            seed=0,
+            ignore_eos=True,
+        )
         result: dict = {"start_s": start_s, "decode": {}, "weights_bytes_rank0": 0}
         result["weights_bytes_rank0"] = s.engine.weights_bytes
         for batch in batches:
@@ -125,6 +135,12 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="tp.json")
     ap.add_argument("--drafting", action="store_true", help="DFlash drafting cases (see above)")
+    ap.add_argument(
+        "--draft-temperature",
+        type=float,
+        default=0.0,
+        help="drafting cases: sample at this temperature with probabilistic drafts (0: greedy)",
+    )
     # internal: run one case in this process and print its JSON on the last line
     ap.add_argument("--case-shape", help=argparse.SUPPRESS)
     ap.add_argument("--case-tp", type=int, help=argparse.SUPPRESS)
@@ -201,7 +217,7 @@ def _run_subprocess(
 ) -> dict:
     cmd = [sys.executable, __file__, "--case-shape", shape, "--case-tp", str(tp)]
     cmd += ["--case-drafting", drafting]
-    for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers"):
+    for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers", "draft_temperature"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
     if args.compile:

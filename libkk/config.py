@@ -157,9 +157,12 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
     # profiled at start-up (libkk/engine/adaptive.py); the output is unchanged.
     adaptive_verification: bool = False
-    # Tensor parallelism, DFlash: greedy drafts are picked from each rank's vocabulary shard
-    # with one small gather of (max, token) per row instead of gathering [rows, vocab] logits.
-    # Rows it does not cover (penalties, banned ids, probabilistic drafts) use the full rows.
+    # Tensor parallelism, DFlash: drafts (greedy and probabilistic) are drawn from each rank's
+    # vocabulary shard of the LM head with one small all-gather per row, and every rank verifies
+    # the drafts from its shard of the target logits (libkk/spec/vocab_parallel.py), instead of
+    # gathering [rows, vocab] logits. Rows it does not cover (penalties, banned ids, top-k, top-p,
+    # min-p, logprobs) use whole rows: a verification step with any such row falls back entirely.
+    # Same tokens as without it. No effect at tensor_parallel_size=1.
     vocab_parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
