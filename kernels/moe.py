@@ -1,4 +1,5 @@
-"""Quantized mixture-of-experts ops: routing, expert alignment and fused W4A16 expert GEMMs.
+"""Quantized mixture-of-experts ops: routing, expert alignment and fused W4A16 expert GEMMs, plus
+W4A8 variants (FP8 e4m3 activations) for prefill rows; see the W4A8 section below.
 
 Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captured in a CUDA graph):
 
@@ -942,15 +943,7 @@ def _fp32_to_e4m3_bits(v):
 
 
 @jit
-def _w4_e4m3_tile(
-    w_ptrs,  # [32, BN] pointers: row r points at the byte holding element k0 + r
-    shift,  # [32, 1] int32: 0 for even rows (low nibble), 4 for odd rows
-    mask,
-    keep,  # [32, 1] rows of the scale group this dot covers
-):
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    bits = _e2m1_to_e4m3_bits((packed >> shift) & 15)
-    bits = tl.where(keep, bits, 0)
+def _as_e4m3(bits):
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
@@ -962,16 +955,21 @@ def _group_scales(s_ptrs, gscale, nmask, IS_NVFP4: tl.constexpr):
 
 @jit
 def _w4a8_partial(xq, w_ptrs, s_ptrs, shift, r, wmask, nmask, gscale, IS_NVFP4: tl.constexpr):
-    """sum over this 32-element K step of x_q * w, each scale group's dot times its scale."""
-    if IS_NVFP4:
-        lo = _w4_e4m3_tile(w_ptrs, shift, wmask, r < 16)
-        hi = _w4_e4m3_tile(w_ptrs, shift, wmask, r >= 16)
+    """sum over this 32-element K step of x_q * w, each scale group's dot times its scale.
+
+    w_ptrs [32, BN]: row r points at the byte holding element k0 + r (each byte is read by the
+    two rows of its nibbles); shift [32, 1]: 0 for even rows (low nibble), 4 for odd rows."""
+    packed = tl.load(w_ptrs, mask=wmask, other=0).to(tl.int32)
+    bits = _e2m1_to_e4m3_bits((packed >> shift) & 15)
+    if IS_NVFP4:  # two 16-element groups: one dot each, the other group's rows zeroed
+        lo = _as_e4m3(tl.where(r < 16, bits, 0))
+        hi = _as_e4m3(tl.where(r >= 16, bits, 0))
         s_lo = _group_scales(s_ptrs, gscale, nmask, IS_NVFP4)
         s_hi = _group_scales(s_ptrs + 1, gscale, nmask, IS_NVFP4)
         part = tl.dot(xq, lo, out_dtype=tl.float32) * s_lo[None, :]
         part += tl.dot(xq, hi, out_dtype=tl.float32) * s_hi[None, :]
     else:
-        w = _w4_e4m3_tile(w_ptrs, shift, wmask, r >= 0)
+        w = _as_e4m3(bits)
         part = (
             tl.dot(xq, w, out_dtype=tl.float32)
             * _group_scales(s_ptrs, gscale, nmask, IS_NVFP4)[None, :]
