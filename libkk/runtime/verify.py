@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
 from libkk.runtime.io import ScheduledRequest
 from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
@@ -148,6 +149,13 @@ def verify_from_shards(
     seeds = torch.tensor([row.seed for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
     positions = torch.tensor([row.position for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
 
+    if all(row.params.greedy for row in rows):  # type: ignore[union-attr]
+        # The argmax alone: one [rows, 2] gather of each shard's (max, token), no keyed noise.
+        stats = shard_argmax_stats(target.reshape(-1, size), vocab_start)
+        argmax = merge_shard_argmax(gather([stats])).view(len(requests), k + 1)
+        out, num_accepted = _accept_argmax(argmax, drafts, num_draft)
+        return _accepted_tokens(out, num_accepted)
+
     stored = [shard_drafts.get(r.request_id) for r in requests]
     draft_shards = draft_logprobs = draft_lse = None
     if any(s is not None for s in stored):
@@ -188,8 +196,15 @@ def verify_from_shards(
         num_draft,
         gather=gather,
     )
+    return _accepted_tokens(out, num_accepted)
+
+
+def _accepted_tokens(
+    out: Tensor, num_accepted: Tensor
+) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+    """Per row: the accepted drafts and the final token of `out`, no logprobs."""
     out_l, accepted = out.tolist(), num_accepted.tolist()
-    return [(out_l[i][: accepted[i] + 1], [None] * (accepted[i] + 1)) for i in range(len(requests))]
+    return [(row[: n + 1], [None] * (n + 1)) for row, n in zip(out_l, accepted, strict=True)]
 
 
 def _draft_probs(
@@ -219,15 +234,19 @@ def _draft_probs(
 
 def _greedy(target: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
     """Accept drafts while they equal the target's argmax; then the argmax.  # [R, K+1], [R]"""
-    num_rows, k1, _ = target.shape
+    return _accept_argmax(target.argmax(dim=-1), drafts, num_draft)  # ties to the lowest id
+
+
+def _accept_argmax(argmax: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
+    """_greedy from the target's argmax [R, K+1].  # [R, K+1], [R]"""
+    num_rows, k1 = argmax.shape
     k = k1 - 1
-    steps = torch.arange(k, device=target.device)
-    argmax = target.argmax(dim=-1)  # [R, K+1]; ties to the lowest id
+    steps = torch.arange(k, device=argmax.device)
     accept = (argmax[:, :k] == drafts) & (steps[None, :] < num_draft[:, None])  # [R, K]
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
     out = torch.where(steps[None, :] < num_accepted[:, None], drafts, -1)
     out = torch.cat([out, torch.full_like(out[:, :1], -1)], dim=1)  # [R, K+1]
-    rows = torch.arange(num_rows, device=target.device)
+    rows = torch.arange(num_rows, device=argmax.device)
     out[rows, num_accepted] = argmax[rows, num_accepted]
     return out, num_accepted
 
