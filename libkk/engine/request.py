@@ -90,6 +90,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.timeline = Timeline(arrival=arrival_time)
+        self._sampling_row: SamplingRow | None = None  # the last built, reused at the same count
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -150,20 +151,48 @@ class Request:
 
     def sampling_row(self) -> SamplingRow:
         """The row that samples this request's next token (position = tokens so far)."""
-        return SamplingRow(
-            params=self.params,
-            seed=self.seed,
-            position=self.num_tokens,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
-            banned_token_ids=tuple(self.banned_token_ids()),
-        )
+        position = self.num_tokens
+        row = self._sampling_row
+        # Everything else in a row is fixed or follows from the token count: the token lists are
+        # the request's own (live), and the bans depend on the output count (position - prompt).
+        if row is None or row.position != position:
+            row = self._sampling_row = SamplingRow(
+                params=self.params,
+                seed=self.seed,
+                position=position,
+                prompt_token_ids=self.prompt_token_ids,
+                output_token_ids=self.output_token_ids,
+                banned_token_ids=tuple(self.banned_token_ids()),
+            )
+        return row
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def append_tokens(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
+    ) -> None:
+        """Appends tokens in order until one finishes the request (`check_stop_token` after each
+        token); the tokens after it are dropped."""
+        if len(token_ids) == 1 or not (
+            self.eos_token_ids.isdisjoint(token_ids) and self.stop_token_ids.isdisjoint(token_ids)
+        ):
+            for token, lp in zip(token_ids, logprobs, strict=True):
+                self.append_token(token, lp)
+                if self.check_stop_token():
+                    return
+            return
+        # No stop token among them: only the length can finish it, at a known token.
+        room = max(1, self.max_tokens - self.num_output_tokens)  # one, as the loop would append
+        token_ids = token_ids[:room] if room < len(token_ids) else token_ids
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self.output_logprobs.extend(lp for lp in logprobs[: len(token_ids)] if lp is not None)
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
 
     def clear_drafts(self) -> None:
         self.spec_token_ids = []

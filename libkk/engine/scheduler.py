@@ -96,8 +96,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         now = time.monotonic()
-        has_decode = any(r.is_decode and not r.reaches_length_in_flight for r in self.running)
-        has_prefill = bool(self.waiting) or any(not r.is_decode for r in self.running)
+        has_decode, has_prefill = False, bool(self.waiting)
+        for r in self.running:  # one pass: these properties are read per request and step
+            if not r.is_decode:
+                has_prefill = True
+            elif not has_decode:
+                has_decode = not r.reaches_length_in_flight
         step_class = self._pick_class(has_prefill, has_decode)
         budget = cfg.scheduled_token_cap
         if cfg.uncap_prefill_only_steps and (not has_decode or step_class == PREFILL):
@@ -250,10 +254,7 @@ class Scheduler:
             if not new_tokens:
                 continue
             logprobs = runner_out.logprobs.get(request.request_id) or [None] * len(new_tokens)
-            for token, lp in zip(new_tokens, logprobs, strict=True):
-                request.append_token(token, lp)
-                if request.check_stop_token():
-                    break
+            request.append_tokens(new_tokens, logprobs)
             timeline = _note_tokens(request, now)
             updated.append(request)
             if request.finished:
