@@ -198,6 +198,7 @@ class Engine:
                 self.proposer = self.executor.wrap_proposer(self.proposer)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
+        self._logprobs_out: dict[str, list[Logprob]] = {}  # Logprobs built so far, per request
         self._stall_logged: set[str] = set()
         self.num_steps = 0
         # Async scheduling: the launched step whose tokens are not yet on the host.
@@ -501,15 +502,12 @@ class Engine:
             )
             if max_drafts <= 0:
                 continue
-            row = request.sampling_row()
-            asks.append(
-                (
-                    request,
-                    ProposeRequest(
-                        request.request_id, list(request.all_token_ids), row, max_drafts
-                    ),
-                )
+            # The live token list, not a copy (O(length) per request and step): proposers read
+            # it during the call only.
+            ask = ProposeRequest(
+                request.request_id, request.all_token_ids, request.sampling_row(), max_drafts
             )
+            asks.append((request, ask))
         if not asks:
             return
         proposal = proposer.propose([ask for _, ask in asks])
@@ -553,14 +551,18 @@ class Engine:
         detok = self._detokenizers[request.request_id]
         _, num_emitted = self._emitted[request.request_id]
         stop = None
-        # One token at a time, as without speculation: a stop string inside an accepted run
-        # drops the tokens after it.
-        for j, token in enumerate(request.output_token_ids[num_emitted:]):
-            stop = detok.update([token])
-            if stop is not None:
-                request.truncate_output(num_emitted + j + 1)
-                request.timeline.num_output_tokens = request.num_output_tokens
-                break
+        new_tokens = request.output_token_ids[num_emitted:]
+        if not request.params.stop:  # no stop string to find: one call for the step's tokens
+            detok.update(new_tokens)
+        else:
+            # One token at a time, as without speculation: a stop string inside an accepted run
+            # drops the tokens after it.
+            for j, token in enumerate(new_tokens):
+                stop = detok.update([token])
+                if stop is not None:
+                    request.truncate_output(num_emitted + j + 1)
+                    request.timeline.num_output_tokens = request.num_output_tokens
+                    break
         if stop is not None and not request.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop
@@ -577,21 +579,21 @@ class Engine:
         delta_text = detok.take_delta()
         if request.finished:
             delta_text += detok.flush()
-            del self._detokenizers[rid], self._emitted[rid]
-            self._stall_logged.discard(rid)
-        else:
-            self._emitted[rid] = (text + delta_text, request.num_output_tokens)
+        text += delta_text
         logprobs = None
         if request.params.logprobs is not None:
-            logprobs = [
-                Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=lp.top)
-                for lp in request.output_logprobs
-            ]
+            logprobs = self._logprobs_so_far(request)
+        if request.finished:
+            del self._detokenizers[rid], self._emitted[rid]
+            self._logprobs_out.pop(rid, None)
+            self._stall_logged.discard(rid)
+        else:
+            self._emitted[rid] = (text, request.num_output_tokens)
         return RequestOutput(
             request_id=rid,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            text=text + delta_text,
+            text=text,
             token_ids=list(request.output_token_ids),
             delta_text=delta_text,
             delta_token_ids=request.output_token_ids[num_emitted:],
@@ -604,6 +606,17 @@ class Engine:
             error=request.error,
             timeline=request.timeline,
         )
+
+    def _logprobs_so_far(self, request: Request) -> list[Logprob]:
+        """Every output token's Logprob: built once per token (the output's list is a copy),
+        not again at every step."""
+        built = self._logprobs_out.setdefault(request.request_id, [])
+        del built[len(request.output_logprobs) :]  # tokens dropped after a stop string
+        built.extend(
+            Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=lp.top)
+            for lp in request.output_logprobs[len(built) :]
+        )
+        return list(built)
 
     def _log_stalls(self) -> None:
         now = time.monotonic()

@@ -29,7 +29,9 @@ from libkk.sample.sampler import SamplingRow
 class ProposeRequest:
     request_id: str
     # Every token the request holds, prompt + output, ending with the token just sampled (the
-    # anchor the drafts follow). The anchor's position is len(token_ids) - 1.
+    # anchor the drafts follow). The anchor's position is len(token_ids) - 1. The request's own
+    # live list: read it during `propose`, never mutate it or keep it (copy what must outlive
+    # the call).
     token_ids: list[int]
     sampling: SamplingRow
     # The most drafts to propose (<= num_speculative_tokens; fewer near max_tokens/max_model_len).
