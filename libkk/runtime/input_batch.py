@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -32,37 +33,47 @@ def build_input_batch(
 ) -> InputBatch:
     requests = sched_out.requests
     num_reqs = len(requests)
-    query_lens = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_reqs)
+    query_lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, num_reqs)
     starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_reqs)
     query_start_loc = np.zeros(num_reqs + 1, np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_lens = starts + query_lens
     num_tokens = int(query_start_loc[-1])
 
-    input_ids = np.fromiter((t for r in requests for t in r.token_ids), np.int64, num_tokens)
+    input_ids = np.fromiter(
+        chain.from_iterable(r.token_ids for r in requests), np.int64, num_tokens
+    )
     # Position of every token: its request's start plus its offset within the query.
     row_req = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[row_req] + starts[row_req]
 
-    max_blocks = max(-(-int(s) // block_size) for s in seq_lens)
-    block_table = np.zeros((num_reqs, max_blocks), np.int32)  # padded with the null block
-    for i, r in enumerate(requests):
-        n = min(len(r.block_ids), max_blocks)
-        block_table[i, :n] = r.block_ids[:n]
+    # Each request's first ceil(seq_len / block_size) blocks, padded with the null block (0).
+    num_blocks = (seq_lens + block_size - 1) // block_size
+    max_blocks = int(num_blocks.max())
+    block_table = np.zeros((num_reqs, max_blocks), np.int32)
+    held = np.fromiter((len(r.block_ids) for r in requests), np.int64, num_reqs)
+    num_filled = np.minimum(held, max_blocks)
+    filled = np.fromiter(
+        chain.from_iterable(
+            r.block_ids if h <= max_blocks else r.block_ids[:max_blocks]
+            for r, h in zip(requests, held.tolist(), strict=True)
+        ),
+        np.int32,
+        int(num_filled.sum()),
+    )
+    block_table[np.arange(max_blocks)[None, :] < num_filled[:, None]] = filled  # row-major
     slot_mapping = (
         block_table[row_req, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
 
-    sampling_rows, sampling_ids, logits_indices, num_spec = [], [], [], []
-    for i, r in enumerate(requests):
-        if r.sampling is not None:
-            sampling_rows.append(r.sampling)
-            sampling_ids.append(r.request_id)
-            end = int(query_start_loc[i + 1])
-            n = r.num_spec_tokens
-            logits_indices.extend(range(end - 1 - n, end))
-            num_spec.append(n)
+    # The last 1 + n rows of every sampling request (n = its drafts).
+    sampling = [i for i, r in enumerate(requests) if r.sampling is not None]
+    num_spec = [requests[i].num_spec_tokens for i in sampling]
+    rows_per = np.asarray(num_spec, np.int64) + 1
+    ends = np.repeat(query_start_loc[1:][sampling], rows_per)  # [sum(1 + n)]
+    within = np.arange(len(ends)) - np.repeat(np.cumsum(rows_per) - rows_per, rows_per)
+    logits_indices = ends - np.repeat(rows_per, rows_per) + within
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return host_to_device(torch.from_numpy(a), device)
@@ -85,9 +96,9 @@ def build_input_batch(
         attn_metadata=metadata,
         # NOTE: through to_dev: a blocking copy would wait for the device's queued work, which
         # under async scheduling is the previous step.
-        logits_indices=to_dev(np.asarray(logits_indices, dtype=np.int64)),
-        sampling_rows=sampling_rows,
-        sampling_request_ids=sampling_ids,
+        logits_indices=to_dev(logits_indices),
+        sampling_rows=[requests[i].sampling for i in sampling],
+        sampling_request_ids=[requests[i].request_id for i in sampling],
         num_spec=num_spec,
     )
 
