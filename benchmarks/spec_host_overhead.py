@@ -4,7 +4,9 @@ On the GPU a decode or verification step replays a captured graph; everything el
 (scheduling, building the input batch, proposing, verification bookkeeping, appending tokens,
 detokenizing, stop checks, outputs) is host work that the device waits for. This measures that
 work on a tiny random Qwen3 (vocabulary 2048, so tensor ops on logits are cheap) with the model's
-forward and LM head timed and subtracted: host ms/step = step time - forward - logits.
+forward and LM head timed and subtracted: host ms/step = step time - forward - logits. Times are
+this process's CPU time (time.process_time, torch on one thread), so other work on a shared
+machine does not inflate them as it does wall-clock time.
 
 Speculative steps use benchmarks/spec.py's synthetic case: K = 7 drafts from a free stand-in
 proposer (the anchor repeated), accepted at the per-position rate giving acceptance length 3.5.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec import K, RepeatAnchor, rate_for_length  # noqa: E402
 
 VOCAB = 2048
+_clock = time.process_time
 PROMPT_LEN = 64
 
 
@@ -73,11 +76,11 @@ class ModelClock:
 
     def _timed(self, fn):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
+            start = _clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += _clock() - start
 
         return call
 
@@ -99,9 +102,9 @@ def decode_steps(engine, ids: list[list[int]], tokens: int, clock: ModelClock) -
     while engine.has_unfinished_requests:
         prefilling = any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values())
         model_before = clock.seconds
-        start = time.perf_counter()
+        start = _clock()
         outputs = engine.step()
-        total = time.perf_counter() - start
+        total = _clock() - start
         if not prefilling:
             emitted = sum(len(o.delta_token_ids) for o in outputs)
             model = clock.seconds - model_before
