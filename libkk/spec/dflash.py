@@ -632,9 +632,9 @@ class DFlashProposer(Proposer):
         # Under tensor parallelism the lookup is the target's vocab-parallel layer (a collective).
         self.embed_module = embed_module if get_tp_size() > 1 else None
         # `vocab_parallel_drafting`: drafts from each rank's LM-head shard (None: whole rows).
-        self.vocab_head = vocab_parallel_head(target_model) if get_tp_size() > 1 else None
-        if not vocab_parallel:
-            self.vocab_head = None
+        self.vocab_head = (
+            vocab_parallel_head(target_model) if vocab_parallel and get_tp_size() > 1 else None
+        )
         self.vocab_parallel = self.vocab_head is not None
         # This rank's shard of each sampled request's last drafts (vocab-parallel drafting only).
         self.shard_drafts: dict[str, ShardDrafts] = {}

@@ -8,8 +8,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from libkk.dist import as_rank
 from libkk.errors import SpeculationInputError
-from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
+from libkk.layers.embedding import (
+    LMHead,
+    merge_shard_argmax,
+    shard_argmax_stats,
+    vocab_parallel_head,
+)
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.rejection import rejection_sample
 from libkk.spec.estimator import draft_feature
@@ -22,6 +28,7 @@ from libkk.spec.vocab_parallel import (
     final_shard_stats,
     sample_draft_full,
     stack_gather,
+    tp_gather,
     vocab_parallel_draft,
     vocab_parallel_rejection_sample,
     vocab_starts,
@@ -298,3 +305,36 @@ def test_greedy_shard_stats_give_the_full_row_argmax(sizes: list[int]) -> None:
         shard_argmax_stats(logits[:, s : s + n], s) for s, n in zip(starts, sizes, strict=True)
     ]
     assert torch.equal(merge_shard_argmax(torch.stack(stats)), logits.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine pieces: the gather of one rank's shard, the LM head's shard geometry
+
+
+def test_tp_gather_at_one_rank_stacks_the_one_shard() -> None:
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(tp_gather([x]), x[None])
+    with pytest.raises(SpeculationInputError, match="one shard"):
+        tp_gather([x, x])
+
+
+@pytest.mark.parametrize(("vocab", "size"), [(250, 3), (250, 4), (40, 2)])
+def test_lm_head_shards_cover_the_vocabulary_in_rank_order(vocab: int, size: int) -> None:
+    shards = []
+    for rank in range(size):
+        with as_rank(rank, size):
+            head = LMHead(vocab, 8)
+            assert vocab_parallel_head(torch.nn.Module()) is None  # no lm_head
+            model = torch.nn.Module()
+            model.lm_head = head
+            assert vocab_parallel_head(model) is head
+            shards.append(head.vocab_shard)
+            assert head.weight.shape[0] >= len(head.vocab_shard)  # padding rows past the ids
+    assert [t for shard in shards for t in shard] == list(range(vocab))
+
+
+def test_a_head_that_leaves_a_rank_without_tokens_is_not_used_from_shards() -> None:
+    with as_rank(3, 4):  # 5 tokens over 4 ranks: 2 per rank, the last rank holds none
+        model = torch.nn.Module()
+        model.lm_head = LMHead(5, 8)
+        assert vocab_parallel_head(model) is None
