@@ -20,15 +20,21 @@ def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) 
     if max_drafts <= 0 or num < min_n + 1:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = tokens[num - n :]
-        # Windows starting at i < num - n (an earlier occurrence, followed by at least one token).
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num - 1], n)  # [num - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return token_ids[start : start + max_drafts]
-    return []
+    # Every match ends at an earlier occurrence of the last token: one pass finds those, then the
+    # ones still matching are extended backwards a token at a time (not a window compare per
+    # suffix length over the whole sequence).
+    ends = np.flatnonzero(tokens[: num - 1] == tokens[num - 1])  # ascending
+    longest = 1
+    for k in range(1, min(max_n, num - 1)):
+        reach = ends[ends >= k]  # ends with a token k places before them
+        longer = reach[tokens[reach - k] == tokens[num - 1 - k]]
+        if longer.size == 0:
+            break
+        ends, longest = longer, k + 1
+    if ends.size == 0 or longest < min_n:
+        return []
+    start = int(ends[-1]) + 1  # the latest occurrence of the longest match
+    return token_ids[start : start + max_drafts]
 
 
 class NgramProposer(Proposer):
