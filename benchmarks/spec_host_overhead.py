@@ -10,7 +10,8 @@ machine does not inflate them as it does wall-clock time.
 
 Speculative steps use benchmarks/spec.py's synthetic case: K = 7 drafts from a free stand-in
 proposer (the anchor repeated), accepted at the per-position rate giving acceptance length 3.5.
-Every request decodes greedily, EOS ignored.
+Every request decodes greedily, EOS ignored. `--ngram` adds the n-gram proposer itself (same
+synthetic acceptance) on a repetitive workload (a random 8-token phrase repeated).
 
     python benchmarks/spec_host_overhead.py [--batch 1 32] [--tokens 64] [--repeats 3] [--top 25]
 """
@@ -85,8 +86,11 @@ class ModelClock:
         return call
 
 
-def prompts(batch: int) -> list[list[int]]:
+def prompts(batch: int, repetitive: bool = False) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
+    if repetitive:
+        phrases = torch.randint(2, VOCAB, (batch, 8), generator=g).tolist()
+        return [(p * (PROMPT_LEN // 8 + 1))[:PROMPT_LEN] for p in phrases]
     return torch.randint(2, VOCAB, (batch, PROMPT_LEN), generator=g).tolist()
 
 
@@ -112,7 +116,15 @@ def decode_steps(engine, ids: list[list[int]], tokens: int, clock: ModelClock) -
     return steps
 
 
-def run_case(path: Path, batch: int, tokens: int, repeats: int, spec: dict, profile_top: int):
+def run_case(
+    path: Path,
+    ids: list[list[int]],
+    tokens: int,
+    repeats: int,
+    spec: dict,
+    stand_in: bool,
+    profile_top: int,
+):
     from libkk import Session
 
     with Session(
@@ -120,15 +132,14 @@ def run_case(path: Path, batch: int, tokens: int, repeats: int, spec: dict, prof
         device="cpu",
         dtype="float32",
         max_model_len=PROMPT_LEN + tokens + 16,
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
+        max_num_seqs=len(ids),
+        max_num_batched_tokens=max(2048, len(ids) * PROMPT_LEN),
         progress=False,
         **spec,
     ) as s:
-        if spec:
+        if stand_in:
             s.engine.proposer = RepeatAnchor()
         clock = ModelClock(s.engine)
-        ids = prompts(batch)
         decode_steps(s.engine, ids, 8, clock)  # warm up
         per_repeat = []
         for _ in range(repeats):
@@ -165,6 +176,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--length", type=float, default=3.5, help="synthetic acceptance length")
     ap.add_argument("--top", type=int, default=25, help="profile rows (0: no profile)")
+    ap.add_argument("--ngram", action="store_true", help="add the n-gram proposer's case")
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "libkk-spec-host"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -178,9 +190,13 @@ def main() -> None:
     rows = []
     profiles = {}
     for batch in args.batch:
-        for name, case in (("plain", {}), ("spec", spec)):
+        cases = [("plain", {}, False, False), ("spec", spec, True, False)]
+        if args.ngram:
+            cases.append(("ngram", spec, False, True))
+        for name, case, stand_in, repetitive in cases:
             top = args.top if batch == max(args.batch) else 0
-            row, profile = run_case(path, batch, args.tokens, args.repeats, case, top)
+            ids = prompts(batch, repetitive)
+            row, profile = run_case(path, ids, args.tokens, args.repeats, case, stand_in, top)
             row = {"batch": batch, "case": name} | row
             rows.append(row)
             if profile is not None:
