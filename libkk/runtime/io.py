@@ -15,6 +15,9 @@ from libkk.sample.sampler import SamplingRow, TokenLogprobs
 # does not know yet (async scheduling); the runner replaces it on the device before the forward.
 PLACEHOLDER_TOKEN_ID = -1
 
+# SchedulerOutput.kind of a step that holds prompt tokens alone.
+PREFILL_STEP = "prefill"
+
 
 @dataclass
 class ScheduledRequest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -22,8 +23,15 @@ from libkk.layers.embedding import LMHead, vocab_parallel_head
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.layers.moe import FusedMoE
+from libkk.layers.quant_moe import prefill_only_step
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
-from libkk.runtime.io import LaunchedStep, LogprobTensors, ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import (
+    PREFILL_STEP,
+    LaunchedStep,
+    LogprobTensors,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from libkk.runtime.verify import shards_cover, verify, verify_from_shards
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
@@ -211,7 +219,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = build_input_batch(sched_out, self.block_size, self.device)
-        hidden, aux = self._forward(batch)
+        with _row_types(sched_out):
+            hidden, aux = self._forward(batch)
         out = ModelRunnerOutput()
         if batch.sampling_rows:
             if any(batch.num_spec):
@@ -248,7 +257,8 @@ class ModelRunner:
         """
         batch = build_input_batch(sched_out, self.block_size, self.device)
         self._gather_in_flight_inputs(sched_out, batch)
-        hidden, _ = self._forward(batch)
+        with _row_types(sched_out):
+            hidden, _ = self._forward(batch)
         request_ids = batch.sampling_request_ids
         if not request_ids:
             self._in_flight_ids, self._in_flight_rows = None, {}
@@ -500,6 +510,14 @@ def logprob_tensors(
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
     top_lp, top_ids = lp.topk(min(max(num_top), lp.shape[1]), dim=-1)  # [W, n], best first
     return LogprobTensors(wanted, num_top, sampled[:, 0], rank, top_lp, top_ids)
+
+
+def _row_types(sched_out: SchedulerOutput) -> contextlib.AbstractContextManager:
+    """Declares a step of prompt tokens alone (no decode or verification rows): packed MoE
+    layers may run such a step with FP8 activations (`moe_prefill_activations`)."""
+    if sched_out.kind == PREFILL_STEP and not any(r.spec_token_ids for r in sched_out.requests):
+        return prefill_only_step()
+    return contextlib.nullcontext()
 
 
 def _raw_argmax_row(row: SamplingRow) -> bool:
