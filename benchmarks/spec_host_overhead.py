@@ -99,8 +99,9 @@ def decode_steps(engine, ids: list[list[int]], tokens: int, clock: ModelClock) -
     step (after every prompt is in): total and host seconds and tokens emitted."""
     from libkk import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(ids):
+        # Seeded: the synthetic acceptance draws are keyed by the seed, so every run is the same.
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, seed=i)
         engine.add_request(engine.make_request(f"r{i}", prompt, params, time.monotonic()))
     steps = []
     while engine.has_unfinished_requests:
