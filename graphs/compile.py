@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from libkk.graphs.artifacts import (
     ArtifactCache,
+    ArtifactEntry,
     ArtifactKey,
     device_name_of,
     load_compile_artifacts,
@@ -53,6 +54,19 @@ def _allow_recompiles_per_session() -> None:
             setattr(config, name, MIN_RECOMPILE_LIMIT)
 
 
+def artifact_entry(
+    device: torch.device,
+    model_config: Mapping[str, Any],
+    graph_settings: Mapping[str, Any],
+    cache: ArtifactCache | None = None,
+) -> ArtifactEntry:
+    """The entry `artifact_cache_scope` uses for these inputs (for its autotune store, which is
+    usable before and whatever the compile artifacts' state)."""
+    return (cache or ArtifactCache()).entry(
+        ArtifactKey.build(model_config, graph_settings, device_name_of(device))
+    )
+
+
 @contextlib.contextmanager
 def artifact_cache_scope(
     device: torch.device,
@@ -68,9 +82,7 @@ def artifact_cache_scope(
     compile without the cache). The block must force every compile it wants stored (capture or
     warm-up calls), since torch.compile compiles lazily.
     """
-    entry = (cache or ArtifactCache()).entry(
-        ArtifactKey.build(model_config, graph_settings, device_name_of(device))
-    )
+    entry = artifact_entry(device, model_config, graph_settings, cache)
     start = time.perf_counter()
     if load_compile_artifacts(entry):
         yield "loaded"

@@ -23,14 +23,16 @@ Because the packed bytes hold even and odd K elements in the two nibbles, the ke
 activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
 
 Tile configs: a static table (decode <= 64 tokens: 16-row M tiles, the weight stream dominates;
-prefill: 64-row tiles), chosen without measurements on the target GPU yet (benchmarks/moe.py
-measures them). Triton autotune is not used: kernels sit below graphs/ in the import order, so the
-artifact cache's autotune store is out of reach from here.
+prefill: 64-row tiles), unless a higher layer installed measured choices for the layer's shape
+(`install_tile_choice`; graphs/moe_tiles.py times candidates on the GPU and keeps them in the
+artifact cache, which kernels/ cannot import). Triton's own autotune is not used.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -858,6 +860,17 @@ def fused_moe_w4a16(
 ) -> torch.Tensor:  # [num_tokens, H]
     """The whole expert computation of one layer on 4-bit weights; no host synchronisation."""
     num_tokens, top_k = topk_ids.shape
+    if config is None:
+        shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
+        if shape in _TILE_TABLES:
+            if torch.compiler.is_compiling():
+                # The measured choice depends on the token count: picked at run time inside an
+                # opaque op, so the trace is not specialised (and recompiled) per token bucket.
+                return fused_moe_w4a16_measured(
+                    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
+                    topk_ids, fmt,
+                )  # fmt: skip
+            config = tile_choice(shape, num_tokens)
     cfg = config or default_tile_config(num_tokens)
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)
@@ -903,6 +916,121 @@ class W4A8TileConfig:
 
 
 W4A8_PREFILL_CONFIG = W4A8TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured tile choices, installed by a higher layer (graphs/moe_tiles.py)
+#
+# Per layer shape, a config per token bucket (powers of two). A call with n tokens uses the choice of
+# the smallest installed bucket >= n, or the largest bucket's above them all; a shape with nothing
+# installed, or an explicit `config`, keeps the static table. Lookups are a dict hit and a bisect.
+
+ACTIVATIONS = ("w4a16", "w4a8")
+
+
+class MoeShape(NamedTuple):
+    """What a tile choice depends on besides the token count."""
+
+    fmt: str  # "nvfp4" | "mxfp4"
+    activations: str  # "w4a16" | "w4a8"
+    num_experts: int
+    hidden: int  # H: K of gate_up, N of down
+    intermediate: int  # I: N of gate_up (per projection), K of down
+    top_k: int
+
+
+TileConfig = MoeTileConfig | W4A8TileConfig
+
+_TILE_CHOICES: dict[MoeShape, dict[int, TileConfig]] = {}
+# Derived from _TILE_CHOICES: shape -> (sorted buckets, their configs), for the bisect.
+_TILE_TABLES: dict[MoeShape, tuple[tuple[int, ...], tuple[TileConfig, ...]]] = {}
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The power of two a token count is tuned at: the smallest one >= num_tokens (1 for 0)."""
+    if num_tokens < 0:
+        raise _err(f"num_tokens must be >= 0, got {num_tokens}")
+    return next_pow2(max(num_tokens, 1))
+
+
+def check_tile_config(activations: str, config: TileConfig) -> None:
+    """Raises MoeKernelError unless `config` is a valid tile config for these activations."""
+    if activations not in ACTIVATIONS:
+        raise _err(f"activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
+    kind = MoeTileConfig if activations == "w4a16" else W4A8TileConfig
+    if type(config) is not kind:
+        raise _err(f"{activations} tiles need a {kind.__name__}, got {config!r}")
+    for name, value in vars(config).items():
+        if type(value) is not int or value < 1:
+            raise _err(f"{name} must be a positive int, got {value!r}")
+    powers = ("block_m", "block_n", "block_k", "num_warps")
+    for name in (n for n in powers if hasattr(config, n)):
+        value = getattr(config, name)
+        if value & (value - 1):
+            raise _err(f"{name} must be a power of two, got {value}")
+    if config.block_m < 16:
+        raise _err(f"block_m must be >= 16 (tl.dot's minimum), got {config.block_m}")
+    if isinstance(config, MoeTileConfig) and config.block_k < 32:
+        raise _err(f"block_k must be >= 32, got {config.block_k}")
+
+
+def install_tile_choice(shape: MoeShape, bucket: int, config: TileConfig) -> None:
+    """From now on, calls of `shape` in `bucket`'s token range run `config` (see above)."""
+    if not isinstance(shape, MoeShape):
+        raise _err(f"shape must be a MoeShape, got {shape!r}")
+    if shape.fmt not in FORMATS:
+        raise _err(f"format {shape.fmt!r} is not supported; supported: {', '.join(FORMATS)}")
+    if bucket < 1 or bucket & (bucket - 1):
+        raise _err(f"a token bucket is a power of two >= 1, got {bucket}")
+    check_tile_config(shape.activations, config)
+    choices = _TILE_CHOICES.setdefault(shape, {})
+    choices[bucket] = config
+    buckets = tuple(sorted(choices))
+    _TILE_TABLES[shape] = (buckets, tuple(choices[b] for b in buckets))
+
+
+def tile_choice(shape: MoeShape, num_tokens: int) -> TileConfig | None:
+    """The installed choice for `num_tokens` rows of `shape`, or None (use the static table)."""
+    table = _TILE_TABLES.get(shape)
+    if table is None:
+        return None
+    buckets, configs = table
+    return configs[min(bisect.bisect_left(buckets, num_tokens), len(configs) - 1)]
+
+
+def installed_tile_choices() -> dict[MoeShape, dict[int, TileConfig]]:
+    """A copy of every installed choice: shape -> bucket -> config."""
+    return {shape: dict(choices) for shape, choices in _TILE_CHOICES.items()}
+
+
+def clear_tile_choices() -> None:
+    _TILE_CHOICES.clear()
+    _TILE_TABLES.clear()
+
+
+@torch.library.custom_op("libkk::fused_moe_w4a16_measured", mutates_args=())
+def fused_moe_w4a16_measured(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: str,
+) -> torch.Tensor:
+    """`fused_moe_w4a16` with the installed tile choice for this call's token count, as one op
+    that torch.compile does not look into."""
+    return fused_moe_w4a16(
+        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt
+    )
+
+
+@fused_moe_w4a16_measured.register_fake
+def _(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt):
+    return x.new_empty(x.shape[0], w2.shape[1])
 
 
 def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -1250,6 +1378,9 @@ def fused_moe_w4a8(
     """The expert computation of one layer with FP8 activations (W4A8); no host synchronisation."""
     _check_rows(x, "x", x.shape[-1] if x.dim() == 2 else -1)
     num_tokens, top_k = topk_ids.shape
+    if config is None:  # W4A8 runs eagerly (never traced, never graphed): a plain lookup
+        shape = MoeShape(fmt, "w4a8", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
+        config = tile_choice(shape, num_tokens)
     cfg = config or W4A8_PREFILL_CONFIG
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
     sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)

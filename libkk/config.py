@@ -125,6 +125,11 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     # On CUDA, compile the model with torch.compile, split at attention (Inductor fuses the
     # norms, rotary, activations and residual adds between attention calls).
     torch_compile: bool = True
+    # On CUDA, for models with packed 4-bit MoE experts: before graph capture, time a few tile
+    # configs of the fused MoE kernels per token bucket (powers of two up to the largest step) on
+    # the model's real weights, keep the fastest in the artifact cache (a warm start loads them
+    # without timing) and run them (graphs/moe_tiles.py). False: the kernels' static tile table.
+    tune_moe_tiles: bool = True
 
     def __post_init__(self) -> None:
         if "PIECEWISE" in self.cudagraph_mode and not self.torch_compile:

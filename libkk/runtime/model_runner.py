@@ -13,17 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from libkk.config import CompilationConfig
+from libkk.config import CompilationConfig, SchedulerConfig
 from libkk.dist import get_tp_rank, get_tp_size
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
-from libkk.graphs.compile import artifact_cache_scope, compile_forward
+from libkk.graphs.compile import artifact_cache_scope, artifact_entry, compile_forward
+from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
 from libkk.layers.attention import kv_scale_calibration_pending
 from libkk.layers.embedding import LMHead, vocab_parallel_head
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.layers.host_embedding import HostRowsEmbedding
 from libkk.layers.moe import FusedMoE
-from libkk.layers.quant_moe import prefill_only_step
+from libkk.layers.quant_moe import QuantFusedMoE, prefill_only_step
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
 from libkk.runtime.io import (
     PREFILL_STEP,
@@ -62,9 +63,12 @@ class ModelRunner:
         progress: bool = False,
         query_lens: Sequence[int] = (1,),
         stash_aux_hidden: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """query_lens: tokens per request of the uniform batches to capture (1, and 1 + K to
-        verify K drafts); stash_aux_hidden: graphs keep the model's aux hidden states."""
+        verify K drafts); stash_aux_hidden: graphs keep the model's aux hidden states;
+        max_num_batched_tokens: the largest step (None: the scheduler's default), up to which
+        packed MoE tiles are tuned."""
         self.model = model
         self.query_lens = tuple(query_lens)
         self.stash_aux_hidden = stash_aux_hidden
@@ -89,6 +93,7 @@ class ModelRunner:
         self._in_flight_rows: dict[str, int] = {}
         self.compile_cache = "off"  # how the artifact cache served this runner (graphs/compile.py)
         self.capture_seconds = 0.0  # compile (where it happens during capture) + capture
+        self.moe_tile_choices: list[TileChoice] = []  # measured or recorded (graphs/moe_tiles.py)
         compilation = compilation or CompilationConfig()
         # model.forward(input_ids, positions), compiled on CUDA (CPU stays eager: exact parity
         # with the reference and no compile time).
@@ -107,8 +112,60 @@ class ModelRunner:
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
                 )
             self.forward = compile_forward(model.forward, backend=self.piecewise)
+        if device.type == "cuda" and compilation.tune_moe_tiles:
+            # Before anything compiles or captures: traces and graphs take the installed tiles.
+            budget = max_num_batched_tokens or SchedulerConfig().max_num_batched_tokens
+            self._tune_moe_tiles(compilation, max_num_seqs, max_model_len, budget, progress)
         if graphs:
             self._capture_graphs(compilation, max_num_seqs, max_model_len, progress)
+
+    def _capture_sizes(self, compilation: CompilationConfig, max_num_seqs: int) -> list[int]:
+        return [
+            s
+            for s in (compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES)
+            if s <= max_num_seqs
+        ] or [max_num_seqs]
+
+    def _artifact_inputs(
+        self, compilation: CompilationConfig, sizes: list[int], max_blocks_per_seq: int
+    ) -> tuple[dict, dict]:
+        """(model config, graph settings) that key this runner's artifact cache entry."""
+        graph_settings = {
+            "model_class": type(self.model).__name__,
+            "compilation": msgspec.to_builtins(compilation),
+            "weight_dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
+            "kv_cache_dtype": str(self.kv_caches[0].dtype) if self.kv_caches else None,
+            "block_size": self.block_size,
+            "capture_sizes": sizes,
+            "max_blocks_per_seq": max_blocks_per_seq,
+            "query_lens": list(self.query_lens),
+            "stash_aux_hidden": self.stash_aux_hidden,
+            # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
+            "tensor_parallel": [get_tp_rank(), get_tp_size()],
+        }
+        return dataclasses.asdict(self.model.config), graph_settings
+
+    def _tune_moe_tiles(
+        self,
+        compilation: CompilationConfig,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        progress: bool,
+    ) -> None:
+        """Packed MoE tile choices for every token count a step can have, recorded in (or
+        loaded from) the entry the compile artifacts use."""
+        if not any(isinstance(m, QuantFusedMoE) for m in self.model.modules()):
+            return
+        sizes = self._capture_sizes(compilation, max_num_seqs)
+        largest_graph = max(sizes) * max(self.query_lens)
+        entry = artifact_entry(
+            self.device,
+            *self._artifact_inputs(compilation, sizes, -(-max_model_len // self.block_size)),
+        )
+        self.moe_tile_choices = tune_moe_tiles(
+            self.model, entry, max(largest_graph, max_num_batched_tokens), progress=progress
+        )
 
     def _capture_graphs(
         self,
@@ -117,11 +174,7 @@ class ModelRunner:
         max_model_len: int,
         progress: bool,
     ) -> None:
-        sizes = [
-            s
-            for s in (compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES)
-            if s <= max_num_seqs
-        ] or [max_num_seqs]
+        sizes = self._capture_sizes(compilation, max_num_seqs)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
             self.forward,
@@ -139,20 +192,7 @@ class ModelRunner:
             return
         # Capturing runs the compiled forward at every size, so it compiles everything a run
         # needs (size 1 and the dynamic graph); the artifact cache stores it for the next start.
-        graph_settings = {
-            "model_class": type(self.model).__name__,
-            "compilation": msgspec.to_builtins(compilation),
-            "weight_dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
-            "kv_cache_dtype": str(self.kv_caches[0].dtype) if self.kv_caches else None,
-            "block_size": self.block_size,
-            "capture_sizes": sizes,
-            "max_blocks_per_seq": max_blocks_per_seq,
-            "query_lens": list(self.query_lens),
-            "stash_aux_hidden": self.stash_aux_hidden,
-            # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
-            "tensor_parallel": [get_tp_rank(), get_tp_size()],
-        }
-        model_config = dataclasses.asdict(self.model.config)
+        model_config, graph_settings = self._artifact_inputs(compilation, sizes, max_blocks_per_seq)
         with artifact_cache_scope(self.device, model_config, graph_settings) as how:
             self.compile_cache = how
             if self.piecewise is not None:
