@@ -610,8 +610,9 @@ class Engine:
     def _logprobs_so_far(self, request: Request) -> list[Logprob]:
         """Every output token's Logprob: built once per token (the output's list is a copy),
         not again at every step."""
+        # NOTE: tokens a stop string drops were never handed out (the cut comes first), so what
+        # was built only grows.
         built = self._logprobs_out.setdefault(request.request_id, [])
-        del built[len(request.output_logprobs) :]  # tokens dropped after a stop string
         built.extend(
             Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=lp.top)
             for lp in request.output_logprobs[len(built) :]
