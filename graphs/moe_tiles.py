@@ -251,10 +251,10 @@ def _log_choice(choice: TileChoice) -> None:
 
 
 class CudaTileTimer:
-    """Times one candidate as CUDA-graph replays of `calls` back-to-back layer calls (what a
-    captured step runs, without Python launch overhead), on synthetic routing: each token picks
-    top_k distinct experts uniformly, so every bucket touches about as many experts as real
-    traffic does."""
+    """Times one candidate on synthetic routing (each token picks top_k distinct experts
+    uniformly, so a bucket touches about as many experts as real traffic does). W4A16 runs as
+    CUDA-graph replays of `calls` back-to-back layer calls, as captured steps run it (no Python
+    launch overhead); W4A8 runs eagerly, as it does in prefill steps (never graphed)."""
 
     def __init__(self, calls: int = 10, replays: int = 3, seed: int = 0) -> None:
         self.calls = calls
@@ -267,15 +267,22 @@ class CudaTileTimer:
         run = self._runner(problem, config)
         run()  # compiles the kernels; raises here for a tile that cannot run
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def calls() -> None:
             for _ in range(self.calls):
                 run()
-        graph.replay()  # warm
+
+        step = calls
+        if problem.shape.activations == "w4a16":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                calls()
+            step = graph.replay
+        step()  # warm
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         for _ in range(self.replays):
-            graph.replay()
+            step()
         end.record()
         end.synchronize()
         return begin.elapsed_time(end) / 1e3 / (self.replays * self.calls)
