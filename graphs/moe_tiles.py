@@ -6,7 +6,8 @@ the runner captures graphs, so that the graphs record the chosen tiles, `tune_mo
 
 1. finds one packed MoE layer per distinct shape (W4A8 shapes too where prefill rows run FP8);
 2. for every bucket from 1 up to the largest token count the runner can see, takes the choice
-   recorded in the artifact entry, or else times a short candidate list (the static choice first,
+   recorded in the artifact entry, or the one an earlier runner of this process installed (copied
+   into this entry), or else times a short candidate list (the static choice first,
    then its neighbours along one tile axis each) on that layer's real weights with synthetic
    routing, and records the fastest (one checksummed line per choice, as it finishes: a crash
    mid-tune keeps the finished ones, see autotune_store.py);
@@ -40,6 +41,7 @@ from libkk.kernels.moe import (
     fused_moe_w4a8,
     fused_moe_w4a16,
     install_tile_choice,
+    installed_tile_choices,
     token_bucket,
 )
 from torch import nn
@@ -73,7 +75,9 @@ class TileChoice:
     shape: MoeShape
     bucket: int
     config: TileConfig
-    source: Literal["recorded", "measured"]
+    # recorded: loaded from the entry; installed: already chosen by an earlier runner of this
+    # process (same GPU; copied into this entry); measured: timed now.
+    source: Literal["recorded", "installed", "measured"]
     seconds: float | None = None  # measured time of the choice
     static_seconds: float | None = None  # measured time of the static table's choice
 
@@ -139,8 +143,18 @@ def packed_moe_problems(model: nn.Module) -> dict[MoeShape, tuple[QuantFusedMoE,
         for kind in kinds:
             shape = MoeShape(layer.weight_format, kind, layer.num_experts, layer.hidden_size,
                              layer.intermediate_size, block.top_k)  # fmt: skip
-            found.setdefault(shape, (layer, block.gate.weight.dtype))
+            found.setdefault(shape, (layer, _activation_dtype(model, block)))
     return found
+
+
+def _activation_dtype(model: nn.Module, block: SparseMoeBlock) -> torch.dtype:
+    """The dtype the experts' input has: the router's weights', unless those are quantized, then
+    the model's first floating-point parameter's."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    weight = getattr(block.gate, "weight", None)
+    if weight is not None and weight.dtype in dtypes:
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.dtype in dtypes), torch.bfloat16)
 
 
 def store_key(shape: MoeShape, bucket: int) -> str:
@@ -178,6 +192,7 @@ def tune_moe_tiles(
         return []
     buckets = tuning_buckets(max_tokens)
     recorded = entry.load_autotune() if entry is not None else {}
+    installed = installed_tile_choices()
     pending: list[TuneProblem] = []
     choices: list[TileChoice] = []
     for shape, (layer, dtype) in problems.items():
@@ -185,12 +200,19 @@ def tune_moe_tiles(
         for bucket in buckets:
             record = kept.get(store_key(shape, bucket))
             config = config_from_record(shape.activations, record) if record is not None else None
-            if config is None:
+            if config is not None:
+                choice = TileChoice(shape, bucket, config, "recorded")
+            elif bucket in installed.get(shape, {}):
+                # Another runner of this process measured it: the same GPU, so no need to time
+                # it again (and a second Session runs the same tiles as the first).
+                choice = TileChoice(shape, bucket, installed[shape][bucket], "installed")
+                _record(entry, choice)
+            else:
                 pending.append(TuneProblem(shape, bucket, layer, dtype))
                 continue
-            choices.append(TileChoice(shape, bucket, config, "recorded"))
-            install_tile_choice(shape, bucket, config)
-            _log_choice(choices[-1])
+            choices.append(choice)
+            install_tile_choice(shape, bucket, choice.config)
+            _log_choice(choice)
     if pending:
         timer = timer or CudaTileTimer()
         start = time.perf_counter()
@@ -198,12 +220,7 @@ def tune_moe_tiles(
             choice = _measure(problem, timer)
             if choice is None:
                 continue
-            if entry is not None:
-                entry.record_autotune(
-                    STORE_KERNELS[problem.shape.activations],
-                    store_key(problem.shape, problem.num_tokens),
-                    asdict(choice.config),
-                )
+            _record(entry, choice)
             install_tile_choice(choice.shape, choice.bucket, choice.config)
             choices.append(choice)
             _log_choice(choice)
@@ -213,6 +230,15 @@ def tune_moe_tiles(
             time.perf_counter() - start,
         )
     return choices
+
+
+def _record(entry: ArtifactEntry | None, choice: TileChoice) -> None:
+    if entry is not None:
+        entry.record_autotune(
+            STORE_KERNELS[choice.shape.activations],
+            store_key(choice.shape, choice.bucket),
+            asdict(choice.config),
+        )
 
 
 def _measure(problem: TuneProblem, timer: Timer) -> TileChoice | None:
@@ -240,6 +266,8 @@ def _log_choice(choice: TileChoice) -> None:
     tiles = " ".join(f"{k}={v}" for k, v in asdict(choice.config).items())
     if choice.source == "recorded":
         how = "recorded"
+    elif choice.source == "installed":
+        how = "chosen earlier in this process"
     else:
         static = "n/a" if choice.static_seconds is None else f"{choice.static_seconds * 1e6:.1f}"
         how = f"measured {choice.seconds * 1e6:.1f} us, static choice {static} us"

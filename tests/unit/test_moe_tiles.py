@@ -350,3 +350,28 @@ def test_w4a8_shapes_are_tuned_and_stored_apart(tmp_path):
     assert set(stored) == set(STORE_KERNELS.values())
     w4a8 = SHAPE._replace(activations="w4a8")
     assert isinstance(M.tile_choice(w4a8, 2), M.W4A8TileConfig)
+
+
+def test_choices_installed_earlier_in_the_process_are_reused_and_recorded(tmp_path):
+    model = _TinyMoeModel()
+    first = tune_moe_tiles(model, _entry(tmp_path / "a"), 8, timer=_FakeTimer())
+    second = tune_moe_tiles(model, _entry(tmp_path / "b"), 16, timer=_FakeTimer())
+    assert [(c.bucket, c.source) for c in second] == [
+        (1, "installed"),
+        (2, "installed"),
+        (4, "installed"),
+        (8, "installed"),
+        (16, "measured"),
+    ]
+    assert [c.config for c in second[:4]] == [c.config for c in first]
+    M.clear_tile_choices()
+    reloaded = tune_moe_tiles(model, _entry(tmp_path / "b"), 16, timer=_no_timing)
+    assert [(c.bucket, c.config) for c in reloaded] == [(c.bucket, c.config) for c in second]
+
+
+def test_activations_take_the_model_dtype_when_the_router_is_quantized():
+    model = _TinyMoeModel().to(torch.bfloat16)
+    assert packed_moe_problems(model)[SHAPE][1] == torch.bfloat16
+    gate = model.blocks[0].gate
+    gate.weight.data = gate.weight.data.to(torch.float8_e4m3fn)
+    assert packed_moe_problems(model)[SHAPE][1] == torch.bfloat16
