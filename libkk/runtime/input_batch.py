@@ -70,10 +70,14 @@ def build_input_batch(
     # The last 1 + n rows of every sampling request (n = its drafts).
     sampling = [i for i, r in enumerate(requests) if r.sampling is not None]
     num_spec = [requests[i].num_spec_tokens for i in sampling]
-    rows_per = np.asarray(num_spec, np.int64) + 1
-    ends = np.repeat(query_start_loc[1:][sampling], rows_per)  # [sum(1 + n)]
-    within = np.arange(len(ends)) - np.repeat(np.cumsum(rows_per) - rows_per, rows_per)
-    logits_indices = ends - np.repeat(rows_per, rows_per) + within
+    ends = query_start_loc[1:].tolist()
+    logits_indices = np.fromiter(
+        chain.from_iterable(
+            range(ends[i] - 1 - n, ends[i]) for i, n in zip(sampling, num_spec, strict=True)
+        ),
+        np.int64,
+        len(sampling) + sum(num_spec),
+    )
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return host_to_device(torch.from_numpy(a), device)
