@@ -166,6 +166,7 @@ class Engine:
             compilation=config.compilation,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             progress=config.progress,
             query_lens=runner_spec.query_lens,
             stash_aux_hidden=bool(aux_layers),

@@ -638,6 +638,7 @@ def _worker_main(
             device,
             compilation=config.compilation,
             max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=plan["max_len"],
             progress=False,
             query_lens=spec.query_lens,

@@ -36,13 +36,15 @@ from libkk.config import SchedulerConfig
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.timeline import Timeline
 from libkk.runtime.io import (
+    DECODE_STEP,
     PLACEHOLDER_TOKEN_ID,
+    PREFILL_STEP,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE = PREFILL_STEP, DECODE_STEP
 # "auto" share: bounds and the most it moves per step.
 AUTO_SHARE_MIN, AUTO_SHARE_MAX, AUTO_SHARE_RATE = 0.2, 0.8, 0.02
 

@@ -15,8 +15,8 @@ from libkk.sample.sampler import SamplingRow, TokenLogprobs
 # does not know yet (async scheduling); the runner replaces it on the device before the forward.
 PLACEHOLDER_TOKEN_ID = -1
 
-# SchedulerOutput.kind of a step that holds prompt tokens alone.
-PREFILL_STEP = "prefill"
+# SchedulerOutput.kind of a step that holds prompt tokens alone, or decode/verification rows alone.
+PREFILL_STEP, DECODE_STEP = "prefill", "decode"
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted this step (their blocks were freed).
     preempted_request_ids: list[str] = field(default_factory=list)
-    # "decode", "prefill" or "mixed": which classes of work the step holds.
+    # DECODE_STEP, PREFILL_STEP or "mixed": which classes of work the step holds.
     kind: str = "mixed"
 
     @property

@@ -42,7 +42,8 @@ class ProposeRequest:
 class DraftProposal:
     token_ids: list[list[int]]  # per request, at most max_drafts each (may be empty)
     # Per request, [n_drafts, vocab] fp32 raw draft logits (before temperature), or None for
-    # one-hot drafts.
+    # one-hot drafts and for drafts whose q each rank keeps in its vocab shard (vocab-parallel
+    # drafting: `DFlashProposer.shard_drafts`).
     draft_logits: list[torch.Tensor | None]
 
 
