@@ -265,7 +265,7 @@ class ModelRunner:
         if batch.sampling_rows:
             if any(batch.num_spec):
                 self._sample_with_drafts(sched_out, batch, hidden, out)
-            elif get_tp_size() > 1 and all(_raw_argmax_row(r) for r in batch.sampling_rows):
+            elif get_tp_size() > 1 and all(r.takes_raw_argmax() for r in batch.sampling_rows):
                 # Every rank decides alike (the rows are the broadcast step's): the argmax from
                 # vocabulary shards, without gathering whole logit rows.
                 tokens = self.model.greedy_tokens(hidden[batch.logits_indices]).tolist()
@@ -558,11 +558,6 @@ def _row_types(sched_out: SchedulerOutput) -> contextlib.AbstractContextManager:
     if sched_out.kind == PREFILL_STEP and not any(r.spec_token_ids for r in sched_out.requests):
         return prefill_only_step()
     return contextlib.nullcontext()
-
-
-def _raw_argmax_row(row: SamplingRow) -> bool:
-    """A greedy row asking for no logprobs whose token is the raw logits' argmax."""
-    return row.params.greedy and row.params.logprobs is None and row.keeps_raw_argmax()
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
+from libkk.runtime.input_batch import host_to_device
 from libkk.runtime.io import ScheduledRequest
 from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
@@ -50,41 +52,45 @@ def verify(
     rows: list[list[SamplingRow]] = []
     for r in requests:
         assert r.sampling is not None
-        rows.append(position_rows(r.sampling, r.spec_token_ids, r.num_spec_tokens + 1))
-    flat_rows = [row for per in rows for row in per]
-    processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
+    greedy = [r.sampling.params.greedy for r in requests]  # type: ignore[union-attr]
+    if all(r.sampling.takes_raw_argmax() for r in requests):  # type: ignore[union-attr]
+        # Only the argmax of each row is read and processing keeps it (bans and penalties never
+        # grow over a request's positions): no per-position rows.
+        processed = torch.cat(list(logits))  # [sum(1 + n), V]
+    else:
+        for r in requests:
+            rows.append(position_rows(r.sampling, r.spec_token_ids, r.num_spec_tokens + 1))  # type: ignore[arg-type]
+        flat_rows = [row for per in rows for row in per]
+        processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
 
     # Request i's row j (j <= its n drafts) sits at processed[offset_i + j]; rows past n repeat
-    # its last row (masked off by num_draft). One gather, no per-request copies.
-    index, drafts_l, offset = [], [], 0
-    for r in requests:
-        n = r.num_spec_tokens
-        index.append([offset + min(j, n) for j in range(k + 1)])
-        drafts_l.append([*r.spec_token_ids[:n], *([0] * (k - n))])
-        offset += n + 1
-    target = processed[torch.tensor(index, device=device)]  # [R, K+1, V]
-    drafts = torch.tensor(drafts_l, dtype=torch.int64)
-    num_draft = torch.tensor([r.num_spec_tokens for r in requests], dtype=torch.int64)
-    drafts, num_draft = drafts.to(device), num_draft.to(device)
-    greedy = [r.sampling.params.greedy for r in requests]  # type: ignore[union-attr]
-    temperatures = torch.tensor([0.0 if g else 1.0 for g in greedy], device=device)
-    seeds = torch.tensor([r.sampling.seed for r in requests], dtype=torch.int64, device=device)  # type: ignore[union-attr]
-    positions = torch.tensor(
-        [r.sampling.position for r in requests],  # type: ignore[union-attr]
-        dtype=torch.int64,
-        device=device,
-    )
+    # its last row (masked off by num_draft). One gather, no per-request copies; the indices,
+    # drafts, draft counts, seeds and positions travel to the device in one copy.
+    num = len(requests)
+    n = np.fromiter((r.num_spec_tokens for r in requests), np.int64, num)
+    host = np.zeros((num, 2 * k + 4), np.int64)  # [index K+1 | drafts K | n | seed | position]
+    offsets = np.zeros(num, np.int64)
+    np.cumsum(n[:-1] + 1, out=offsets[1:])
+    host[:, : k + 1] = offsets[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
+    for i, r in enumerate(requests):
+        host[i, k + 1 : k + 1 + n[i]] = r.spec_token_ids
+    host[:, 2 * k + 1] = n
+    host[:, 2 * k + 2] = [r.sampling.seed for r in requests]  # type: ignore[union-attr]
+    host[:, 2 * k + 3] = [r.sampling.position for r in requests]  # type: ignore[union-attr]
+    packed = host_to_device(torch.from_numpy(host), device)
+    target = processed[packed[:, : k + 1]]  # [R, K+1, V]
+    drafts, num_draft = packed[:, k + 1 : 2 * k + 1], packed[:, 2 * k + 1]
+    seeds, positions = packed[:, 2 * k + 2], packed[:, 2 * k + 3]
 
     if synthetic_rates is not None:
-        out, num_accepted = _synthetic(
-            target, drafts, num_draft, greedy, seeds, positions, synthetic_rates
-        )
+        out, _ = _synthetic(target, drafts, num_draft, greedy, seeds, positions, synthetic_rates)
     elif all(greedy):
         # NOTE: rejection_sample's greedy result without the keyed noise it would draw for
         # random rows (a full-vocabulary hash per row).
-        out, num_accepted = _greedy(target, drafts, num_draft)
+        out, _ = _greedy(target, drafts, num_draft)
     else:
-        out, num_accepted = rejection_sample(
+        temperatures = torch.tensor([0.0 if g else 1.0 for g in greedy], device=device)
+        out, _ = rejection_sample(
             target,
             drafts,
             _draft_probs(requests, rows, drafts, k, vocab, device),
@@ -95,10 +101,9 @@ def verify(
         )
 
     results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
-    accepted = num_accepted.tolist()
-    out_l = out.tolist()
-    for i, r in enumerate(requests):
-        tokens = out_l[i][: accepted[i] + 1]
+    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
+        # the accepted drafts, one target token, then -1 padding
+        tokens = row[: row.index(-1)] if -1 in row else row
         lps: list[TokenLogprobs | None] = [None] * len(tokens)
         if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
             lps = _logprobs(

@@ -46,6 +46,11 @@ class SamplingRow:
             and p.presence_penalty == 0.0
         )
 
+    def takes_raw_argmax(self) -> bool:
+        """A greedy row asking for no logprobs whose token is the raw logits' argmax: only the
+        argmax is read, and processing keeps it."""
+        return self.params.greedy and self.params.logprobs is None and self.keeps_raw_argmax()
+
 
 @dataclass
 class TokenLogprobs:
