@@ -503,6 +503,17 @@ def _w4_tile(
 
 
 @jit
+def _tile_pairs(sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert, its M tile of (token, expert) pair ids and their validity, and its
+    N tile of output columns and their mask."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, pair, pair < num_pairs, n, n < N
+
+
+@jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -529,18 +540,13 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
     j = tl.arange(0, BLOCK_K // 2)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
@@ -607,18 +613,13 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
     DT: tl.constexpr = a_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
     j = tl.arange(0, BLOCK_K // 2)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
@@ -1134,17 +1135,12 @@ def _w4a8_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
     token = (pair // TOP_K).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
     r = tl.arange(0, BLOCK_K)
     shift = ((r & 1) * 4)[:, None]
     w_base = w_ptr + expert * stride_we
@@ -1203,18 +1199,13 @@ def _w4a8_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
     r = tl.arange(0, BLOCK_K)
     shift = ((r & 1) * 4)[:, None]
     w_base = w_ptr + expert * stride_we
