@@ -12,9 +12,7 @@ calibrates them from the first prefill it stores); other cache dtypes ignore the
 from __future__ import annotations
 
 import abc
-import itertools
 import math
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from libkk.layers.forward_context import AttentionMetadata, get_forward_context
+from libkk.layers.registry import LayerRegistry
 
 
 class AttentionBackend(abc.ABC):
@@ -225,7 +224,7 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibration_pending = False
-        self.layer_key = _register_layer(self)
+        self.layer_key = _LAYERS.register(self)
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """Sets the FP8 cache scales (stored value = x / scale) in place.
@@ -320,17 +319,8 @@ def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:
     return len(layers)
 
 
-# Every Attention layer of the process by key, so the compiled graph names a layer by an int. Keys
-# follow construction order, so the model a process builds first gets the same keys (and compiled
-# graphs that hit the on-disk caches) in every process.
-_LAYERS: dict[int, weakref.ref[Attention]] = {}
-_next_key = itertools.count()
-
-
-def _register_layer(layer: Attention) -> int:
-    key = next(_next_key)
-    _LAYERS[key] = weakref.ref(layer, lambda _: _LAYERS.pop(key, None))
-    return key
+# Every Attention layer of the process by key: the compiled graph names a layer by an int.
+_LAYERS: LayerRegistry[Attention] = LayerRegistry("attention layer")
 
 
 # NOTE: mutates_args is empty although the op writes the layer's KV cache: the cache is not an
@@ -340,10 +330,7 @@ def _register_layer(layer: Attention) -> int:
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int
 ) -> torch.Tensor:
-    layer = _LAYERS[layer_key]()
-    if layer is None:
-        raise RuntimeError(f"attention layer {layer_key} no longer exists")
-    return layer.attend(q, k, v)
+    return _LAYERS.get(layer_key).attend(q, k, v)
 
 
 @_attention_op.register_fake

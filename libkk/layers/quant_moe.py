@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from libkk.kernels.moe import (
     fused_moe_w4a16_ref,
 )
 from libkk.layers.linear import check_shape
+from libkk.layers.registry import LayerRegistry
 from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
 
 logger = logging.getLogger("libkk")
@@ -203,7 +203,7 @@ class QuantFusedMoE(nn.Module):
         self._prefetch: _CsfLayer | None = None
         # Whether prefill-only steps run W4A8: settled by `settle_row_kernels` after loading.
         self.fp8_prefill = False
-        self.layer_key = _register_layer(self)
+        self.layer_key = _LAYERS.register(self)
         # With csf_prefetch: the checkpoint's CSF blobs, by (param, expert, part), so the layer's
         # compressed scales are assembled from them instead of encoded again at load.
         self._csf_blobs: dict[tuple[str, int, int], CSFTensor] = {}
@@ -347,25 +347,14 @@ class QuantFusedMoE(nn.Module):
 
 
 # Packed layers by key, for the opaque op that picks a row type's kernels at run time.
-_LAYERS: dict[int, weakref.ref[QuantFusedMoE]] = {}
-_next_key = 0
-
-
-def _register_layer(layer: QuantFusedMoE) -> int:
-    global _next_key
-    key = _next_key
-    _next_key += 1
-    _LAYERS[key] = weakref.ref(layer, lambda _: _LAYERS.pop(key, None))
-    return key
+_LAYERS: LayerRegistry[QuantFusedMoE] = LayerRegistry("packed MoE layer")
 
 
 @torch.library.custom_op("libkk::packed_moe_by_row_type", mutates_args=())
 def _packed_moe_by_row_type(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int
 ) -> torch.Tensor:
-    layer = _LAYERS[layer_key]()
-    if layer is None:
-        raise RuntimeError(f"packed MoE layer {layer_key} no longer exists")
+    layer = _LAYERS.get(layer_key)
     fp8 = layer.step_runs_fp8(hidden)
     return layer.run_experts(hidden, topk_weights, topk_ids, fp8=fp8)
 
