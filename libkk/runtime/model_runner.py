@@ -446,11 +446,7 @@ class ModelRunner:
         width = head.weight.shape[0]  # every rank's columns, padding included
         parts = []
         for _, r, s in stored:
-            if s.token_ids[: r.num_spec_tokens] != list(r.spec_token_ids):
-                raise RuntimeError(
-                    f"request {r.request_id!r}: the kept draft shard is for drafts "
-                    f"{s.token_ids}, not the verified {list(r.spec_token_ids)}"
-                )
+            s.check_drafts(r.request_id, r.spec_token_ids)
             part = s.logits[: r.num_spec_tokens]
             parts.append(F.pad(part, (0, width - part.shape[1])))
         whole = head.gather_logits(torch.cat(parts)).split(

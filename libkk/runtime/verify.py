@@ -63,24 +63,8 @@ def verify(
         flat_rows = [row for per in rows for row in per]
         processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
 
-    # Request i's row j (j <= its n drafts) sits at processed[offset_i + j]; rows past n repeat
-    # its last row (masked off by num_draft). One gather, no per-request copies; the indices,
-    # drafts, draft counts, seeds and positions travel to the device in one copy.
-    num = len(requests)
-    n = np.fromiter((r.num_spec_tokens for r in requests), np.int64, num)
-    host = np.zeros((num, 2 * k + 4), np.int64)  # [index K+1 | drafts K | n | seed | position]
-    offsets = np.zeros(num, np.int64)
-    np.cumsum(n[:-1] + 1, out=offsets[1:])
-    host[:, : k + 1] = offsets[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
-    for i, r in enumerate(requests):
-        host[i, k + 1 : k + 1 + n[i]] = r.spec_token_ids
-    host[:, 2 * k + 1] = n
-    host[:, 2 * k + 2] = [r.sampling.seed for r in requests]  # type: ignore[union-attr]
-    host[:, 2 * k + 3] = [r.sampling.position for r in requests]  # type: ignore[union-attr]
-    packed = host_to_device(torch.from_numpy(host), device)
-    target = processed[packed[:, : k + 1]]  # [R, K+1, V]
-    drafts, num_draft = packed[:, k + 1 : 2 * k + 1], packed[:, 2 * k + 1]
-    seeds, positions = packed[:, 2 * k + 2], packed[:, 2 * k + 3]
+    index, drafts, num_draft, seeds, positions = _step_inputs(requests, k, device)
+    target = processed[index]  # [R, K+1, V]
 
     if synthetic_rates is not None:
         out, _ = _synthetic(target, drafts, num_draft, greedy, seeds, positions, synthetic_rates)
@@ -115,6 +99,28 @@ def verify(
     return results
 
 
+def _step_inputs(
+    requests: Sequence[ScheduledRequest], k: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """On the device, in one copy: the row index [R, K+1] into the step's concatenated target
+    rows (request i's row j <= n_i at offset_i + j; rows past n_i repeat its last row, masked
+    off by num_draft), the drafts [R, K] (0-padded), num_draft [R], seeds [R], positions [R]."""
+    num = len(requests)
+    n = np.fromiter((r.num_spec_tokens for r in requests), np.int64, num)
+    host = np.zeros((num, 2 * k + 4), np.int64)  # [index K+1 | drafts K | n | seed | position]
+    offsets = np.zeros(num, np.int64)
+    np.cumsum(n[:-1] + 1, out=offsets[1:])
+    host[:, : k + 1] = offsets[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
+    for i, r in enumerate(requests):
+        host[i, k + 1 : k + 1 + n[i]] = r.spec_token_ids
+    host[:, 2 * k + 1] = n
+    host[:, 2 * k + 2] = [r.sampling.seed for r in requests]  # type: ignore[union-attr]
+    host[:, 2 * k + 3] = [r.sampling.position for r in requests]  # type: ignore[union-attr]
+    packed = host_to_device(torch.from_numpy(host), device)
+    return (packed[:, : k + 1], packed[:, k + 1 : 2 * k + 1], packed[:, 2 * k + 1],
+            packed[:, 2 * k + 2], packed[:, 2 * k + 3])  # fmt: skip
+
+
 def shards_cover(requests: Sequence[ScheduledRequest], vocab_size: int) -> bool:
     """Whether `verify_from_shards` gives these requests' tokens: rows processed by at most a
     temperature, no logprobs asked, q one-hot or kept in shards (no whole draft logits)."""
@@ -140,19 +146,10 @@ def verify_from_shards(
     device = logits[0].device
     size = logits[0].shape[-1]
     k = max(r.num_spec_tokens for r in requests)
-    index, drafts_l, offset = [], [], 0
-    for r in requests:
-        n = r.num_spec_tokens
-        index.append([offset + min(j, n) for j in range(k + 1)])
-        drafts_l.append([*r.spec_token_ids[:n], *([0] * (k - n))])
-        offset += n + 1
-    target = torch.cat(list(logits))[torch.tensor(index, device=device)]  # [R, K+1, Vs]
-    drafts = torch.tensor(drafts_l, dtype=torch.int64, device=device)
-    num_draft = torch.tensor([r.num_spec_tokens for r in requests], device=device)
+    index, drafts, num_draft, seeds, positions = _step_inputs(requests, k, device)
+    target = torch.cat(list(logits))[index]  # [R, K+1, Vs]
     rows = [r.sampling for r in requests]
     temperatures = torch.tensor([row.params.temperature for row in rows], device=device)  # type: ignore[union-attr]
-    seeds = torch.tensor([row.seed for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
-    positions = torch.tensor([row.position for row in rows], dtype=torch.int64, device=device)  # type: ignore[union-attr]
 
     if all(row.params.greedy for row in rows):  # type: ignore[union-attr]
         # The argmax alone: one [rows, 2] gather of each shard's (max, token), no keyed noise.
@@ -173,11 +170,7 @@ def verify_from_shards(
             n = r.num_spec_tokens
             if s is None:
                 continue
-            if s.token_ids[:n] != list(r.spec_token_ids):
-                raise RuntimeError(
-                    f"request {r.request_id!r}: the kept draft shard is for drafts "
-                    f"{s.token_ids}, not the verified {list(r.spec_token_ids)}"
-                )
+            s.check_drafts(r.request_id, r.spec_token_ids)
             draft_shards[i, :n] = s.logits[:n]
             draft_logprobs[i, :n] = s.logprobs[:n]
             draft_lse[i, :n] = s.lse[:n]

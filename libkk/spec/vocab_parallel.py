@@ -119,6 +119,14 @@ class ShardDrafts:
     logprobs: Tensor  # [n] fp32 log q(draft) (DraftSample.logprobs)
     lse: Tensor  # [n] fp32 the draft's log-sum-exp of logits / T (DraftSample.lse)
 
+    def check_drafts(self, request_id: str, verified: Sequence[int]) -> None:
+        """Raises unless these are the drafts being verified (their first len(verified))."""
+        if self.token_ids[: len(verified)] != list(verified):
+            raise RuntimeError(
+                f"request {request_id!r}: the kept draft shard is for drafts "
+                f"{self.token_ids}, not the verified {list(verified)}"
+            )
+
 
 def vocab_starts(shard_sizes: Sequence[int]) -> list[int]:
     """First token id of each shard, for contiguous shards of the given sizes in vocab order."""
