@@ -635,7 +635,6 @@ class DFlashProposer(Proposer):
         self.vocab_head = (
             vocab_parallel_head(target_model) if vocab_parallel and get_tp_size() > 1 else None
         )
-        self.vocab_parallel = self.vocab_head is not None
         # This rank's shard of each sampled request's last drafts (vocab-parallel drafting only).
         self.shard_drafts: dict[str, ShardDrafts] = {}
         self.vocab_size = vocab_size
@@ -716,6 +715,11 @@ class DFlashProposer(Proposer):
                 slots,
             )
         state.num_context = offset + num
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether drafts come from this rank's vocab shard (its runner verifies from them)."""
+        return self.vocab_head is not None
 
     def remove(self, request_id: str) -> None:
         self.shard_drafts.pop(request_id, None)
