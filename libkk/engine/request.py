@@ -191,8 +191,7 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
         self.output_logprobs.extend(lp for lp in logprobs[: len(token_ids)] if lp is not None)
-        if self.num_output_tokens >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
+        self.check_stop_token()  # the length alone can finish it here
 
     def clear_drafts(self) -> None:
         self.spec_token_ids = []
