@@ -481,6 +481,17 @@ def _scale_value(byte, IS_NVFP4: tl.constexpr):
 
 
 @jit
+def _e2m1_as_e4m3(nibbles):
+    """E2M1 codes in the low 4 bits of each byte (uint8) -> float8e4nv holding each value * 2^-6.
+
+    Moving the sign to bit 7 and the two exponent bits and the mantissa bit to bits 4..2 makes an
+    e4m3 byte whose value is the E2M1 value times 2^-6 (E2M1's subnormal 0.5 lands on e4m3's
+    subnormal 2^-7), so the hardware fp8 conversion replaces a decode of selects and shifts."""
+    bits = ((nibbles << 2) & 0x1C) | ((nibbles << 4) & 0x80)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@jit
 def _w4_tile(
     w_ptrs,  # [BK/2, BN] pointers to packed bytes
     s_ptrs,  # [BK/2, BN] pointers to the scale byte of each packed byte's pair of elements
@@ -489,12 +500,19 @@ def _w4_tile(
     DT: tl.constexpr,
     IS_NVFP4: tl.constexpr,
 ):
-    """(even, odd) weight tiles [BK/2, BN] in DT, each e2m1 * (scale * global) in fp32."""
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    sbyte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
-    step = _scale_value(sbyte, IS_NVFP4) * gscale
-    even = (_e2m1_value(packed & 15) * step).to(DT)
-    odd = (_e2m1_value(packed >> 4) * step).to(DT)
+    """(even, odd) weight tiles [BK/2, BN] in DT, each e2m1 * (scale * global) rounded once from
+    fp32, as the reference dequantization computes it."""
+    packed = tl.load(w_ptrs, mask=mask, other=0)
+    sbyte = tl.load(s_ptrs, mask=mask, other=0)
+    if IS_NVFP4:
+        # (scale * global) * 2^6 is exact, so each product below rounds like e2m1 * (scale*global)
+        step = sbyte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (gscale * 64.0)
+        even = (_e2m1_as_e4m3(packed).to(tl.float32) * step).to(DT)
+        odd = (_e2m1_as_e4m3(packed >> 4).to(tl.float32) * step).to(DT)
+    else:
+        step = _scale_value(sbyte.to(tl.int32), IS_NVFP4)  # 2^(b-127) may be near fp32's limit
+        even = ((_e2m1_as_e4m3(packed).to(tl.float32) * 64.0) * step).to(DT)
+        odd = ((_e2m1_as_e4m3(packed >> 4).to(tl.float32) * 64.0) * step).to(DT)
     return even, odd
 
 
@@ -511,6 +529,31 @@ def _tile_pairs(sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLO
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, pair, pair < num_pairs, n, n < N
+
+
+@jit
+def _k_masks(kk, nmask, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Masks of a K step: over its [BK/2] even elements, and over its [BK/2, BN] weight tile.
+
+    With EVEN_K the weight mask varies along N only, which lets the compiler load each thread's
+    run of packed bytes along K as one wide vector."""
+    kmask = kk < K
+    if EVEN_K:
+        wmask = nmask[None, :]
+    else:
+        wmask = kmask[:, None] & nmask[None, :]
+    return kmask, wmask
+
+
+@jit
+def _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP: tl.constexpr):
+    """[BK/2, BN] pointers to the packed bytes of a K step and to each byte's scale byte.
+
+    Offsets as k0/2 + j and k0/G + j/(G/2) (k0 is a multiple of G), not kk/2 and kk/G, so the
+    compiler sees the bytes contiguous and each scale constant over G/2 bytes."""
+    w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
+    s_ptrs = s_base + n[None, :] * stride_sn + (k0 // GROUP + j // (GROUP // 2))[:, None]
+    return w_ptrs, s_ptrs
 
 
 @jit
@@ -538,6 +581,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
     PRECISION: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
@@ -559,16 +603,12 @@ def _gate_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + 2 * j  # even element of each packed byte, [BK/2]
-        kmask = kk < K
+        kmask, wmask = _k_masks(kk, nmask, K, EVEN_K)
         amask = valid[:, None] & kmask[None, :]
         x_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :]
         xe = tl.load(x_ptrs, mask=amask, other=0.0)
         xo = tl.load(x_ptrs + 1, mask=amask, other=0.0)
-        wmask = kmask[:, None] & nmask[None, :]
-        # Byte offsets as k0/2 + j (not kk // 2), so the compiler sees them contiguous and can
-        # vectorize the packed-weight loads.
-        wg_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
-        sg_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
+        wg_ptrs, sg_ptrs = _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP)
         ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, DT, IS_NVFP4)
         ue, uo = _w4_tile(
             wg_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, g_up, wmask, DT, IS_NVFP4
@@ -611,6 +651,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
     PRECISION: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
@@ -629,14 +670,12 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + 2 * j
-        kmask = kk < K
+        kmask, wmask = _k_masks(kk, nmask, K, EVEN_K)
         amask = valid[:, None] & kmask[None, :]
         a_ptrs = a_ptr + pair64[:, None] * stride_at + kk[None, :]
         ae = tl.load(a_ptrs, mask=amask, other=0.0)
         ao = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-        wmask = kmask[:, None] & nmask[None, :]
-        w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]  # contiguous bytes
-        s_ptrs = s_base + n[None, :] * stride_sn + (kk // GROUP)[:, None]
+        w_ptrs, s_ptrs = _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP)
         we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, DT, IS_NVFP4)
         acc = tl.dot(ae, we, acc, input_precision=PRECISION)
         acc = tl.dot(ao, wo, acc, input_precision=PRECISION)
@@ -750,6 +789,7 @@ def moe_w4a16_gate_up(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
         PRECISION=_precision(x.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -821,6 +861,7 @@ def moe_w4a16_down(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
         PRECISION=_precision(a.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from libkk.kernels import moe as M
 from libkk.kernels._jit import INTERPRETED
 
@@ -78,6 +80,49 @@ def test_dequantize_ref_matches_quant_formats():
                 else:
                     want = dequantize_mxfp4(p[e, rows], s[e, rows])
                 assert torch.equal(got[e, rows], want)
+
+
+@triton.jit
+def _dequant_all_kernel(w_ptr, s_ptr, g_ptr, even_ptr, odd_ptr, N: tl.constexpr, IS_NVFP4: tl.constexpr):
+    # One [256, N] tile: row r holds packed byte r, column c scale byte c (every pair of bytes).
+    r = tl.arange(0, 256)
+    c = tl.arange(0, N)
+    w_ptrs = w_ptr + r[:, None] + 0 * c[None, :]
+    s_ptrs = s_ptr + c[None, :] + 0 * r[:, None]
+    even, odd = M._w4_tile(w_ptrs, s_ptrs, tl.load(g_ptr), c[None, :] < N, tl.float32, IS_NVFP4)
+    tl.store(even_ptr + r[:, None] * N + c[None, :], even)
+    tl.store(odd_ptr + r[:, None] * N + c[None, :], odd)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("global_scale", [1.0, 3.7e-3])
+def test_in_kernel_dequantization_is_exact_for_every_byte(fmt, global_scale):
+    """Every packed byte with every scale byte (NaN, subnormal and extreme scales included) gives
+    bit for bit the reference's fp32 value."""
+    if fmt == "mxfp4" and global_scale != 1.0:
+        pytest.skip("MXFP4 has no global scale")
+    codes = torch.arange(256, dtype=torch.uint8)
+    even = torch.empty(256, 256, device=DEVICE)
+    odd = torch.empty_like(even)
+    glob = torch.tensor([global_scale], device=DEVICE)
+    _dequant_all_kernel[(1,)](codes.to(DEVICE), codes.to(DEVICE), glob, even, odd, N=256,
+                              IS_NVFP4=fmt == "nvfp4")  # fmt: skip
+    # The reference on a [256 scales, 1, 2 * 256 / G] layout: row c has scale byte c everywhere.
+    g = M.GROUP[fmt]
+    weight = codes.repeat(256, 1)[None]  # [1, 256, 256]: element pair r of every row
+    scale = codes[:, None].repeat(1, 512 // g)[None]  # [1, 256, 512 / G]
+    want = M.dequantize_w4_ref(weight, scale, glob.cpu().reshape(1, 1), fmt, torch.float32)[0]
+    want_even, want_odd = want[:, 0::2].T, want[:, 1::2].T  # [256 bytes, 256 scales]
+    checked = torch.ones(256, dtype=torch.bool)
+    if INTERPRETED and fmt == "nvfp4":
+        # Triton's interpreter turns the e4m3 NaN bytes 0x7F / 0xFF into +-480; the GPU's fp8
+        # conversion gives NaN, and this test checks them there.
+        checked[[0x7F, 0xFF]] = False
+    for got, ref in ((even.cpu()[:, checked], want_even[:, checked]),
+                     (odd.cpu()[:, checked], want_odd[:, checked])):  # fmt: skip
+        assert torch.equal(got.isnan(), ref.isnan())
+        keep = ~ref.isnan()
+        assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
