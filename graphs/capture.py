@@ -11,6 +11,12 @@ the smallest capture size >= n (a precomputed table), replayed from static input
   seeing them, so they are exact, and only the real rows are returned.
 All graphs share one memory pool and are captured largest first, so smaller ones reuse the larger
 ones' memory; the static buffers and each graph's output stay referenced for the graphs' life.
+
+Under tensor parallelism each graph holds the forward's NCCL collectives, so every rank must
+capture the same graphs in the same order (NCCL requires a captured collective to be captured on
+every rank, and a replay to be one on every rank): the ranks check the whole plan, then meet
+before each graph (`lockstep`, which fails with the graph named if a rank stops or differs). Each
+graph is tracked for the group's teardown (NCCL cannot destroy a communicator a live graph uses).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from libkk.dist import enter_phase, lockstep, track_captured_graph
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))
@@ -112,15 +119,21 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         keys = [(q, size) for q in reversed(self.query_lens) for size in reversed(self.sizes)]
         keys.sort(key=lambda k: -k[0] * k[1])  # largest first: smaller graphs reuse its memory
+        lockstep(f"decode graph plan (q, size): {keys}")
         for q, size in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
+            name = f"decode graph q={q} size={size}"
             self._layout(q)
             metadata = self._metadata(q, size)
             ids, pos = self.input_ids[: size * q], self.positions[: size * q]
+            # The first warm-up compiles the forward, if compiled (torch.compile is lazy).
+            lockstep(f"{name}: warm-up")
             with set_forward_context(metadata):
                 for _ in range(2):  # compiles the kernels and settles allocations
                     self.forward(ids, pos)
                 torch.cuda.synchronize()
+                enter_phase(f"{name}: capture")
                 graph = torch.cuda.CUDAGraph()
+                track_captured_graph(graph)  # before: a failed capture is reset too
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[q, size] = self.forward(ids, pos)
                     self.stashed[q, size] = self.stash() if self.stash else None

@@ -13,7 +13,16 @@ from libkk.dist.parallel_state import (
     get_tp_size,
     get_tp_state,
     init_tensor_parallel,
+    release_captured_graphs,
     tp_active,
+    track_captured_graph,
+)
+from libkk.dist.startup import (
+    current_phase,
+    enter_phase,
+    lockstep,
+    set_peer_status,
+    set_phase_listener,
 )
 
 __all__ = [
@@ -22,10 +31,17 @@ __all__ = [
     "all_reduce",
     "as_rank",
     "broadcast_object",
+    "current_phase",
     "destroy_tensor_parallel",
+    "enter_phase",
     "get_tp_rank",
     "get_tp_size",
     "get_tp_state",
     "init_tensor_parallel",
+    "lockstep",
+    "release_captured_graphs",
+    "set_peer_status",
+    "set_phase_listener",
     "tp_active",
+    "track_captured_graph",
 ]

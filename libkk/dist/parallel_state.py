@@ -3,14 +3,22 @@
 One group per process (torch.distributed's default group): rank 0 is the caller's process, ranks
 1..N-1 are the workers libkk starts. Before `init_tensor_parallel` (or after teardown) every query
 answers as a single process (rank 0 of 1), so layers built without TP are unchanged.
+
+CUDA graphs that captured the group's collectives are tracked (`track_captured_graph`): NCCL
+(2.26 on) will not destroy or abort a communicator while a CUDA graph that captured one of its
+collectives is alive; it waits for that graph forever. `destroy_tensor_parallel` resets them first.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +36,19 @@ class TPState:
     # be copied to the GPU and back on every step, and its timeout (idle time between steps) is
     # not the forward's (a rank that stops answering mid-step).
     control_group: dist.ProcessGroup | None
+    # Start-up lockstep checks (libkk/dist/startup.py) go over a gloo group of their own whose
+    # collectives time out after `timeout_s`, unlike the control group's idle waits.
+    startup_group: dist.ProcessGroup | None = None
+    timeout_s: float = 0.0
 
+
+logger = logging.getLogger(__name__)
 
 _SINGLE = TPState(rank=0, world_size=1, backend="none", group=None, control_group=None)
 _state: TPState = _SINGLE
+# CUDA graphs that captured collectives of the current group (weak: a graph freed with its
+# runner needs no reset).
+_captured_graphs: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def get_tp_state() -> TPState:
@@ -83,21 +100,83 @@ def init_tensor_parallel(
     group = dist.group.WORLD
     # Workers wait on the control group between steps, for as long as the caller is idle.
     control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+    startup = dist.new_group(backend="gloo", timeout=timeout)
+    if backend == "nccl":
+        # One eager collective on every rank before anything is captured: NCCL connects its
+        # peers on the first collective (lazily, since 2.22), which must not be one a CUDA graph
+        # captures, and a broken device group fails here instead of in the first capture.
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe, group=group)
+        if probe.item() != world_size:
+            raise RuntimeError(
+                f"the NCCL group's first all-reduce gave {probe.item()}, expected {world_size}"
+            )
     _state = TPState(
-        rank=rank, world_size=world_size, backend=backend, group=group, control_group=control
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        group=group,
+        control_group=control,
+        startup_group=startup,
+        timeout_s=timeout_s,
     )
     return _state
 
 
-def destroy_tensor_parallel() -> None:
-    """Leaves the group (if any); afterwards this process is a single rank again."""
+def track_captured_graph(graph: Any) -> None:
+    """Remembers a CUDA graph (anything with `reset()`) that captured collectives of the group,
+    so that `destroy_tensor_parallel` releases it before the group. No-op without a group."""
+    if _state.world_size > 1:
+        _captured_graphs.add(graph)
+
+
+def release_captured_graphs() -> int:
+    """Resets every tracked graph that is still alive (it cannot replay afterwards); returns how
+    many. A graph in flight is freed by CUDA once it completes."""
+    graphs = list(_captured_graphs)
+    _captured_graphs.clear()
+    for graph in graphs:
+        graph.reset()
+    return len(graphs)
+
+
+DESTROY_TIMEOUT_S = 30.0
+
+
+def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
+    """Leaves the group (if any); afterwards this process is a single rank again.
+
+    The CUDA graphs that captured the group's collectives are reset first (the runner that held
+    them cannot replay them afterwards). Waits at most `timeout_s` for the group to be destroyed;
+    returns False (with a warning) if it was not, True otherwise.
+    """
     global _state
     _state = _SINGLE
-    if dist.is_initialized():
+    release_captured_graphs()
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer may be gone already; nothing left to free
             pass
+        finally:
+            done.set()
+
+    # NOTE: in a thread, so that a communicator NCCL cannot destroy (a CUDA graph captured
+    # elsewhere still references it, or a peer is stuck) leaves this process with a warning
+    # instead of hanging its close.
+    threading.Thread(target=destroy, name="libkk-tp-destroy", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    logger.warning(
+        "the tensor-parallel group was not destroyed within %.0f s (a CUDA graph that captured "
+        "its NCCL collectives may still be alive); continuing without it",
+        timeout_s,
+    )
+    return False
 
 
 @contextmanager

@@ -30,6 +30,14 @@ each step and converts a failed collective into `TensorParallelError` naming the
 code and its error. Collectives time out after `parallel.worker_timeout_s`, so a worker that hangs
 fails the Session instead of blocking it. After a failure the Session refuses further steps:
 the ranks may no longer be in step. `shutdown` stops the workers (politely, then by signal).
+
+Start-up and CUDA graphs: a worker reports each start-up phase it enters (libkk/dist/startup.py)
+over its pipe, and every wait of rank 0 for its workers ends after `parallel.worker_timeout_s`
+with the phase each worker was in. NCCL collectives that a CUDA graph captured or replays are not
+timed by the NCCL watchdog, so on CUDA a monitor thread aborts the NCCL group when a worker exits
+during start-up or a step, or when a step makes no progress for `parallel.worker_timeout_s`; the
+start-up's graph captures meet in lockstep over a gloo group that times out. At shutdown every rank
+resets its captured graphs before destroying the group (NCCL waits for them forever otherwise).
 """
 
 from __future__ import annotations
@@ -59,9 +67,12 @@ from libkk.config import EngineConfig
 from libkk.dist import (
     broadcast_object,
     destroy_tensor_parallel,
+    enter_phase,
     get_tp_size,
     get_tp_state,
     init_tensor_parallel,
+    set_peer_status,
+    set_phase_listener,
 )
 from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
@@ -168,18 +179,29 @@ class TPExecutor:
         self.procs: list[_WorkerProcess] = []
         self.pipes: list[Connection] = []
         self._errors: dict[int, str] = {}
+        self._phases: dict[int, str] = {}  # each worker's last reported start-up phase
+        self._received: dict[int, set[str]] = {}  # the kinds of message each worker sent
+        self._pipe_lock = threading.Lock()  # the monitor drains the pipes during start-up too
         for rank in range(1, self.size):
             args = (rank, self.size, init_method, config_json, str(model_dir), os.getpid())
             proc, pipe = _WorkerProcess.start(args)
             self.procs.append(proc)
             self.pipes.append(pipe)
         _LIVE.add(self)
-        # CUDA: a collective waiting for a dead peer never returns (the kernel spins); a monitor
-        # aborts the NCCL group when a worker exits mid-step, so the step fails instead.
+        # CUDA: a collective waiting for a dead peer never returns (the kernel spins), and one in
+        # a CUDA graph is not timed by the NCCL watchdog; a monitor aborts the NCCL group when a
+        # worker exits during start-up or a step, or a step stalls, so it fails instead.
         self._in_step = threading.Event()
+        self._step_started = 0.0
         self._aborted: str | None = None
+        # Weak references: an Engine that fails to start drops its executor, whose __del__
+        # stops the workers.
+        ref = weakref.ref(self)
+        set_peer_status(lambda: executor.describe_workers() if (executor := ref()) else "")
         if device.type == "cuda":
-            threading.Thread(target=self._monitor, name="libkk-tp-monitor", daemon=True).start()
+            threading.Thread(
+                target=_monitor_loop, args=(ref,), name="libkk-tp-monitor", daemon=True
+            ).start()
         try:
             self._wait_for("started", deadline=time.monotonic() + self.timeout_s)
             if device.type == "cuda":
@@ -193,13 +215,15 @@ class TPExecutor:
 
     def plan_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Waits until every worker has loaded its weights, then sends the KV cache size (every
-        rank allocates the same block count: block ids are shared)."""
-        self._wait_for("loaded", deadline=None)
+        rank allocates the same block count: block ids are shared). A worker gets
+        `parallel.worker_timeout_s` more than this rank took to load its own."""
+        self._wait_for("loaded", deadline=time.monotonic() + self.timeout_s)
         self._guard(lambda: broadcast_object({"num_blocks": num_blocks, "max_len": max_model_len}))
 
     def wrap(self, runner: ModelRunner) -> TPModelRunner:
-        """Waits until every worker built its runner; returns rank 0's step entry."""
-        self._wait_for("ready", deadline=None)
+        """Waits until every worker built its runner (compiled and captured as this rank did,
+        within `parallel.worker_timeout_s` of it); returns rank 0's step entry."""
+        self._wait_for("ready", deadline=time.monotonic() + self.timeout_s)
         self._ready = True
         self._runner = runner
         return TPModelRunner(runner, self)
@@ -227,9 +251,20 @@ class TPExecutor:
         if self.proposer is not None:
             self.proposer.flush()  # calls queued since the last propose go first
         self.check_alive()
+
+        def step() -> ModelRunnerOutput:
+            broadcast_object(sched_out)
+            return runner.execute(sched_out)
+
+        return self.in_step(step)
+
+    def in_step(self, fn: Any) -> Any:
+        """Runs `fn` (a broadcast and the collectives after it) as a step: watched by the monitor,
+        any failure converted into TensorParallelError."""
+        self._step_started = time.monotonic()
         self._in_step.set()
         try:
-            out = self._guard(lambda: (broadcast_object(sched_out), runner.execute(sched_out))[1])
+            out = self._guard(fn)
         finally:
             self._in_step.clear()
         if self._aborted is not None:  # the step "finished" on an aborted group: not trusted
@@ -237,24 +272,49 @@ class TPExecutor:
             raise TensorParallelError(self.failure)
         return out
 
-    def _monitor(self) -> None:
-        while not self._closed:
-            time.sleep(0.2)
-            if not self._in_step.is_set() or self._aborted is not None:
+    def _monitor_once(self) -> None:
+        """One look of the monitor thread (`_monitor_loop`): aborts the NCCL group if needed."""
+        if self._aborted is not None or (self._ready and not self._in_step.is_set()):
+            return
+        reason = self._monitor_reason()
+        if reason is None:
+            return
+        self._aborted = f"{reason}; the session cannot continue: close it and start a new one"
+        logger.error("%s", self._aborted)
+        group = get_tp_state().group
+        if group is None:  # not joined yet: the join itself times out
+            return
+        try:  # unblocks this rank's pending NCCL collectives
+            dist.distributed_c10d._abort_process_group(group)
+        except Exception as e:  # noqa: BLE001 - best effort; the step may still time out
+            logger.warning("could not abort the NCCL group: %s", e)
+
+    def _monitor_reason(self) -> str | None:
+        """Why the NCCL group must be aborted now (None: it need not): a worker exited during
+        start-up or a step, or the step in progress made no progress for the timeout."""
+        in_step = self._in_step.is_set()
+        if not self._ready:
+            self._drain_all()  # the main thread is compiling or capturing: keep phases current
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is None:
                 continue
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.exitcode is None:
-                    continue
-                self._aborted = (
+            if in_step:
+                return (
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                    f"{proc.exitcode} during a step; the session cannot continue: close it and "
-                    "start a new one"
+                    f"{proc.exitcode} during a step"
                 )
-                try:  # unblocks this rank's pending NCCL collectives
-                    dist.distributed_c10d._abort_process_group(get_tp_state().group)
-                except Exception as e:  # noqa: BLE001 - best effort; the step may still time out
-                    logger.warning("could not abort the NCCL group: %s", e)
-                break
+            return (
+                f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                f"{proc.exitcode} during start-up{self._phase_of(rank)}"
+            )
+        # NOTE: a step whose collectives a CUDA graph replays has no NCCL timeout of its own.
+        stalled = time.monotonic() - self._step_started
+        if in_step and self._ready and stalled > self.timeout_s:
+            return (
+                f"a tensor-parallel step made no progress for {stalled:.0f}s "
+                f"(parallel.worker_timeout_s={self.timeout_s:.0f}); {self.describe_workers()}"
+            )
+        return None
 
     def _guard(self, fn: Any) -> Any:
         try:
@@ -294,17 +354,43 @@ class TPExecutor:
 
     # ---- messages from workers ------------------------------------------------------------
 
-    def _drain(self, rank: int, pipe: Connection) -> list[tuple]:
-        got = []
-        try:
-            while pipe.poll():
-                msg = pipe.recv()
-                if msg[0] == "error":
-                    self._errors[rank] = msg[1]
-                got.append(msg)
-        except (EOFError, OSError):
-            pass
-        return got
+    def _drain(self, rank: int, pipe: Connection) -> None:
+        """Reads every message the worker sent so far: its phases, errors and start-up marks."""
+        with self._pipe_lock:
+            try:
+                while pipe.poll():
+                    msg = pipe.recv()
+                    if msg[0] == "error":
+                        self._errors[rank] = msg[1]
+                    elif msg[0] == "phase":
+                        self._phases[rank] = msg[1]
+                    self._received.setdefault(rank, set()).add(msg[0])
+            except (EOFError, OSError):
+                pass
+
+    def _drain_all(self) -> None:
+        for rank, pipe in enumerate(self.pipes, start=1):
+            if not pipe.closed:
+                self._drain(rank, pipe)
+
+    def _phase_of(self, rank: int) -> str:
+        phase = self._phases.get(rank)
+        return f" (its last start-up phase: {phase!r})" if phase else ""
+
+    def describe_workers(self) -> str:
+        """Each worker's state as rank 0 knows it: alive or its exit, its last start-up phase
+        and its reported error."""
+        self._drain_all()
+        parts = []
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.exitcode
+            status = "alive" if code is None else f"exited with code {code}"
+            error = self._errors.get(rank)
+            detail = f", error: {error}" if error else ""
+            parts.append(
+                f"worker rank {rank} (pid {proc.pid}) {status}{self._phase_of(rank)}{detail}"
+            )
+        return "; ".join(parts)
 
     def _wait_for(self, what: str, deadline: float | None) -> None:
         """Waits until every worker sent `what`; fails on an exit, an error or the deadline."""
@@ -312,16 +398,17 @@ class TPExecutor:
         while pending:
             for rank in sorted(pending):
                 pipe, proc = self.pipes[rank - 1], self.procs[rank - 1]
-                for msg in self._drain(rank, pipe):
-                    if msg[0] == what:
-                        pending.discard(rank)
+                self._drain(rank, pipe)  # the monitor thread may have drained it already
+                if what in self._received.get(rank, ()):
+                    pending.discard(rank)
                 if rank in self._errors or (rank in pending and proc.exitcode is not None):
-                    self._fail(rank, f" while waiting for it to be {what}")
+                    self._fail(rank, f" while waiting for it to be {what}{self._phase_of(rank)}")
             if pending and deadline is not None and time.monotonic() > deadline:
                 ranks = ", ".join(map(str, sorted(pending)))
+                phases = "".join(f"; rank {r}{self._phase_of(r)}" for r in sorted(pending))
                 self.failure = (
                     f"tensor-parallel worker rank(s) {ranks} not {what} after "
-                    f"{self.timeout_s:.0f}s (parallel.worker_timeout_s)"
+                    f"{self.timeout_s:.0f}s (parallel.worker_timeout_s){phases}"
                 )
                 raise TensorParallelError(self.failure)
             if pending:
@@ -355,7 +442,8 @@ class TPExecutor:
                 proc.join(2.0)
         for pipe in self.pipes:
             pipe.close()
-        destroy_tensor_parallel()
+        set_peer_status(None)
+        destroy_tensor_parallel()  # resets this rank's captured graphs first
 
     def __del__(self) -> None:  # an Engine that failed to start drops its executor
         try:
@@ -427,11 +515,7 @@ class TPProposer(Proposer):
                 proposal = _make_call(self.proposer, call, h) or proposal
 
         self.executor.check_alive()
-        self.executor._in_step.set()
-        try:
-            self.executor._guard(run)
-        finally:
-            self.executor._in_step.clear()
+        self.executor.in_step(run)
         return proposal
 
     def _queue(self, call: tuple, hidden: torch.Tensor | None) -> None:
@@ -511,6 +595,16 @@ class _WorkerProcess:
 _LIVE: weakref.WeakSet[TPExecutor] = weakref.WeakSet()
 
 
+def _monitor_loop(ref: weakref.ref[TPExecutor]) -> None:
+    while True:
+        time.sleep(0.2)
+        executor = ref()
+        if executor is None or executor._closed:
+            return
+        executor._monitor_once()
+        del executor  # no strong reference while sleeping
+
+
 @atexit.register
 def _stop_all() -> None:
     for executor in list(_LIVE):
@@ -578,6 +672,9 @@ def _worker_main(
     # `kill -USR1 PID` prints every thread's stack to stderr: where a stuck worker waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = 0
+    destroyed = True
+    # Rank 0 names this worker's last phase when the start-up stops or fails.
+    set_phase_listener(lambda phase: conn.send(("phase", phase)))
     try:
         from libkk.cache.kv_cache import allocate_kv_caches
         from libkk.engine.engine import resolve_device, resolve_dtype
@@ -592,7 +689,9 @@ def _worker_main(
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         dtype = resolve_dtype(config.model.dtype, device)
         conn.send(("started",))
+        enter_phase("join the group")
         init_tensor_parallel(rank, size, init_method, device, config.parallel.worker_timeout_s)
+        enter_phase("load weights")
         model, arch = load_model(
             Path(model_dir),
             dtype,
@@ -606,7 +705,9 @@ def _worker_main(
         if config.cache.calculate_kv_scales:
             calibrate_kv_scales_on_first_prefill(model)
         conn.send(("loaded",))
+        enter_phase("wait for the KV cache plan")
         plan = broadcast_object(None)
+        enter_phase("allocate the KV cache and build the proposer")
         cache = config.cache
         kv_dtype = torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else dtype
         kv_caches = allocate_kv_caches(
@@ -631,6 +732,7 @@ def _worker_main(
         spec = runner_speculation(config, proposer)
         if spec.aux_layers:
             model.set_aux_hidden_layers(spec.aux_layers)
+        enter_phase("build the runner")  # graph captures report their own phases
         runner = ModelRunner(
             model,
             kv_caches,
@@ -650,6 +752,8 @@ def _worker_main(
         # Rank 0 samples: a worker's runner computes the logits (the vocabulary gather is a
         # collective every rank joins) and skips the sampler.
         runner.sampler = _NoSampler()
+        enter_phase("steps")
+        set_phase_listener(None)
         conn.send(("ready",))
         # Context hidden states of the steps since the last proposer calls, by request.
         aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
@@ -675,6 +779,11 @@ def _worker_main(
         if not isinstance(e, KeyboardInterrupt):
             traceback.print_exc()
     finally:
-        destroy_tensor_parallel()
+        set_phase_listener(None)
+        destroyed = destroy_tensor_parallel()  # resets this rank's captured graphs first
         conn.close()
+    if not destroyed:  # a thread is stuck destroying the group: interpreter exit could wait on it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

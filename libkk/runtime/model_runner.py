@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.config import CompilationConfig, SchedulerConfig
-from libkk.dist import get_tp_rank, get_tp_size
+from libkk.dist import get_tp_rank, get_tp_size, lockstep, track_captured_graph
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import artifact_cache_scope, artifact_entry, compile_forward
 from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
@@ -216,9 +216,14 @@ class ModelRunner:
         positions = torch.arange(sizes[0], dtype=torch.int64, device=self.device)
         with capturing_pieces():
             for n in tqdm(sizes, desc="Capturing piecewise graphs", disable=not progress):
+                # Every rank captures the same pieces in the same order (see DecodeGraphs).
+                lockstep(f"piecewise graphs, {n} tokens")  # the first compiles the forward
                 with set_forward_context(null_prefill_metadata(n, self.block_size, self.device)):
                     self.forward(ids[:n], positions[:n])
         torch.cuda.synchronize()
+        for piece in self.piecewise.pieces:  # released before a tensor-parallel group goes
+            for graph, _, _ in piece.graphs.values():
+                track_captured_graph(graph)
 
     def _run_piecewise(self, batch: InputBatch) -> torch.Tensor:
         """The forward padded to the next captured token count (padding writes the null slot)."""
