@@ -1,10 +1,14 @@
 """Tensor parallelism on CUDA (NCCL, one GPU per rank): TP=2 gives the same greedy tokens as TP=1,
-eager and with torch.compile + FULL CUDA graphs (the all-reduces are captured in each rank's graphs).
+eager and with CUDA graphs (the all-reduces are captured in each rank's graphs), and a Session
+with graphs closes promptly: NCCL (2.26 on) cannot destroy a communicator while a graph that
+captured its collectives lives, so every rank resets its graphs before the group goes.
 
     pytest -m gpu tests/gpu/test_tp_gpu.py     (needs >= 2 CUDA devices)
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -18,11 +22,14 @@ pytestmark = [
 ]
 
 
+CLOSE_S = 30.0  # a close that waits for NCCL's teardown of a live graph never ends
+
+
 def _generate(path, prompts, tp, mode, compile_):
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    with Session(
+    session = Session(
         str(path),
         device="cuda",
         dtype="float32",
@@ -33,15 +40,31 @@ def _generate(path, prompts, tp, mode, compile_):
         torch_compile=compile_,
         progress=False,
         worker_timeout_s=120.0,
-    ) as s:
+    )
+    try:
         if tp > 1:
-            assert s.engine.model.model.layers[0].self_attn.num_heads == 4  # 8 heads over 2 ranks
-        if mode != "NONE":
-            assert s.engine.runner.graphs is not None and s.engine.runner.graphs.graphs
-        return [o.token_ids for o in s.generate(prompts, params)]
+            layer = session.engine.model.model.layers[0]
+            assert layer.self_attn.num_heads == 4  # 8 heads over 2 ranks
+        if "FULL" in mode:
+            assert session.engine.runner.graphs is not None and session.engine.runner.graphs.graphs
+        tokens = [o.token_ids for o in session.generate(prompts, params)]
+    finally:
+        start = time.monotonic()
+        session.close()
+    assert time.monotonic() - start < CLOSE_S
+    assert not torch.distributed.is_initialized()  # the group was destroyed, not abandoned
+    return tokens
 
 
-@pytest.mark.parametrize(("mode", "compile_"), [("NONE", False), ("FULL_DECODE_ONLY", True)])
+@pytest.mark.parametrize(
+    ("mode", "compile_"),
+    [
+        ("NONE", False),
+        ("FULL_DECODE_ONLY", False),  # captured without torch.compile: eager functional all-reduce
+        ("FULL_DECODE_ONLY", True),
+        ("FULL_AND_PIECEWISE", True),
+    ],
+)
 def test_tp2_greedy_equals_tp1(tiny_qwen3_dir, mode, compile_):
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -82,7 +105,6 @@ def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir):
         assert time.monotonic() - start < 60.0
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True])
 def _random_drafter(path):
     """A random DFlash drafter for the tiny Qwen3 target, saved at `path`."""
     from libkk.spec.dflash import DFlashConfig, save_drafter
@@ -96,6 +118,7 @@ def _random_drafter(path):
     return save_drafter(init_drafter(config, seed=2), path, torch.float32)
 
 
+@pytest.mark.parametrize("vocab_parallel", [False, True])
 def test_dflash_at_tp2_greedy_equals_plain_tp1(tiny_qwen3_dir, tmp_path, vocab_parallel):
     """DFlash speculation on two GPUs (the drafter split like the target, every rank drafting in
     step; verification graphs with their NCCL collectives) gives the plain TP=1 greedy tokens."""
@@ -141,3 +164,26 @@ def test_sampled_dflash_at_tp2_from_vocab_shards_equals_whole_rows(tiny_qwen3_di
         results.append((tokens, counts))
     assert results[1] == results[0]
     assert results[0][1][0] > 0
+
+
+def test_a_graph_session_closes_and_the_next_one_starts(tiny_qwen3_dir):
+    """Two TP=2 sessions with FULL graphs one after the other in one process: the first closes
+    within CLOSE_S (its graphs reset, its NCCL group destroyed, its worker gone), so the second
+    can build a group again."""
+    from libkk import SamplingParams, Session
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for _ in range(2):
+        session = Session(str(tiny_qwen3_dir), device="cuda", dtype="float32",
+                          tensor_parallel_size=2, max_num_seqs=4, max_model_len=256,
+                          cudagraph_mode="FULL_DECODE_ONLY", torch_compile=False, progress=False,
+                          worker_timeout_s=60.0)  # fmt: skip
+        procs = session.engine.executor.procs
+        outputs.append(session.generate([[5, 6, 7]], params).token_ids)
+        start = time.monotonic()
+        session.close()
+        assert time.monotonic() - start < CLOSE_S
+        assert all(p.exitcode == 0 for p in procs)  # the worker left its loop and exited itself
+        assert not torch.distributed.is_initialized()
+    assert outputs[0] == outputs[1]
