@@ -39,7 +39,7 @@ import triton.language as tl
 
 from libkk.errors import LibkkError
 
-from ._jit import check_device, jit, next_pow2
+from ._jit import INTERPRETED, check_device, jit, next_pow2
 
 FORMATS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -453,17 +453,6 @@ def moe_align_block_size_ref(
 
 
 @jit
-def _e2m1_value(code):
-    """E2M1 code (int32, 0..15) -> fp32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    # e >= 1: (1 + m/2) * 2^(e-1) = (2 + m) * 2^(e-2)
-    pow2 = tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0))
-    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * pow2)
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@jit
 def _scale_value(byte, IS_NVFP4: tl.constexpr):
     """A scale byte (int32) -> fp32: E4M3 (NVFP4) or E8M0 (MXFP4), NaN patterns included."""
     nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
@@ -481,38 +470,92 @@ def _scale_value(byte, IS_NVFP4: tl.constexpr):
 
 
 @jit
-def _e2m1_as_e4m3(nibbles):
-    """E2M1 codes in the low 4 bits of each byte (uint8) -> float8e4nv holding each value * 2^-6.
+def _e2m1_e4m3_bits(nibbles):
+    """E2M1 codes in the low 4 bits (integers) -> e4m3 bytes holding each value * 2^-6.
 
     Moving the sign to bit 7 and the two exponent bits and the mantissa bit to bits 4..2 makes an
     e4m3 byte whose value is the E2M1 value times 2^-6 (E2M1's subnormal 0.5 lands on e4m3's
-    subnormal 2^-7), so the hardware fp8 conversion replaces a decode of selects and shifts."""
-    bits = ((nibbles << 2) & 0x1C) | ((nibbles << 4) & 0x80)
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    subnormal 2^-7), so the hardware fp8 conversion replaces a decode of selects and shifts; the
+    callers fold the 2^6 into their scales."""
+    return ((nibbles << 2) & 0x1C) | ((nibbles << 4) & 0x80)
+
+
+@jit
+def _e2m1_as_e4m3(nibbles):
+    return _e2m1_e4m3_bits(nibbles).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@jit
+def _e2m1_pairs_as_f16(packed):
+    """Packed E2M1 bytes (uint8) -> (low nibble, high nibble) values * 2^-6 as float16, four bytes
+    per 32-bit register: the nibbles move into e4m3 bytes with whole-word bit operations and the
+    hardware converts two e4m3 bytes per instruction (~1.4 instructions per weight, where byte-wise
+    Triton code spends ~8 on unpacking and repacking bytes)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u, lo, hi;
+        .reg .b16 l0, l1, h0, h1;
+        shl.b32 t, $4, 2;
+        and.b32 t, t, 0x1C1C1C1C;
+        shl.b32 u, $4, 4;
+        and.b32 u, u, 0x80808080;
+        or.b32 lo, t, u;
+        shr.b32 t, $4, 2;
+        and.b32 t, t, 0x1C1C1C1C;
+        and.b32 u, $4, 0x80808080;
+        or.b32 hi, t, u;
+        mov.b32 {l0, l1}, lo;
+        mov.b32 {h0, h1}, hi;
+        cvt.rn.f16x2.e4m3x2 $0, l0;
+        cvt.rn.f16x2.e4m3x2 $1, l1;
+        cvt.rn.f16x2.e4m3x2 $2, h0;
+        cvt.rn.f16x2.e4m3x2 $3, h1;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @jit
 def _w4_tile(
     w_ptrs,  # [BK/2, BN] pointers to packed bytes
-    s_ptrs,  # [BK/2, BN] pointers to the scale byte of each packed byte's pair of elements
+    s_ptrs,  # [BK/G, BN] pointers to the scale bytes of the tile's groups
     gscale,  # fp32 scalar (1.0 for MXFP4)
-    mask,
+    wmask,
+    smask,
     DT: tl.constexpr,
     IS_NVFP4: tl.constexpr,
+    GROUP: tl.constexpr,
+    USE_PTX: tl.constexpr,  # the inline-PTX nibble decode (CUDA; the interpreter runs no PTX)
 ):
     """(even, odd) weight tiles [BK/2, BN] in DT, each e2m1 * (scale * global) rounded once from
     fp32, as the reference dequantization computes it."""
-    packed = tl.load(w_ptrs, mask=mask, other=0)
-    sbyte = tl.load(s_ptrs, mask=mask, other=0)
+    packed = tl.load(w_ptrs, mask=wmask, other=0)
+    sbyte = tl.load(s_ptrs, mask=smask, other=0)
     if IS_NVFP4:
         # (scale * global) * 2^6 is exact, so each product below rounds like e2m1 * (scale*global)
         step = sbyte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (gscale * 64.0)
-        even = (_e2m1_as_e4m3(packed).to(tl.float32) * step).to(DT)
-        odd = (_e2m1_as_e4m3(packed >> 4).to(tl.float32) * step).to(DT)
     else:
         step = _scale_value(sbyte.to(tl.int32), IS_NVFP4)  # 2^(b-127) may be near fp32's limit
-        even = ((_e2m1_as_e4m3(packed).to(tl.float32) * 64.0) * step).to(DT)
-        odd = ((_e2m1_as_e4m3(packed >> 4).to(tl.float32) * 64.0) * step).to(DT)
+    NG: tl.constexpr = step.shape[0]
+    BN: tl.constexpr = step.shape[1]
+    step = tl.reshape(
+        tl.broadcast_to(step[:, None, :], [NG, GROUP // 2, BN]), [NG * GROUP // 2, BN]
+    )
+    if USE_PTX:
+        lo, hi = _e2m1_pairs_as_f16(packed)
+    else:
+        lo = _e2m1_as_e4m3(packed)
+        hi = _e2m1_as_e4m3(packed >> 4)
+    if IS_NVFP4:
+        even = (lo.to(tl.float32) * step).to(DT)
+        odd = (hi.to(tl.float32) * step).to(DT)
+    else:
+        even = ((lo.to(tl.float32) * 64.0) * step).to(DT)
+        odd = ((hi.to(tl.float32) * 64.0) * step).to(DT)
     return even, odd
 
 
@@ -532,28 +575,27 @@ def _tile_pairs(sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLO
 
 
 @jit
-def _k_masks(kk, nmask, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Masks of a K step: over its [BK/2] even elements, and over its [BK/2, BN] weight tile.
+def _w4_step(w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of a W4 tile: its even elements kk [BK/2] and their mask, pointers to its packed
+    bytes [BK/2, BN], pointers to its scale bytes [BK/G, BN], and the masks of both tiles.
 
-    With EVEN_K the weight mask varies along N only, which lets the compiler load each thread's
-    run of packed bytes along K as one wide vector."""
+    Byte offsets as k0/2 + j (not kk/2) let the compiler see each thread's bytes contiguous, and
+    with EVEN_K (BLOCK_K divides K) the weight mask varies along N only: the packed bytes then
+    load as wide vectors along K."""
+    j = tl.arange(0, BLOCK_K // 2)
+    g = tl.arange(0, BLOCK_K // GROUP)
+    kk = k0 + 2 * j
     kmask = kk < K
+    w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
+    s_ptrs = s_base + n[None, :] * stride_sn + (k0 // GROUP + g)[:, None]
     if EVEN_K:
         wmask = nmask[None, :]
+        smask = nmask[None, :]
     else:
         wmask = kmask[:, None] & nmask[None, :]
-    return kmask, wmask
-
-
-@jit
-def _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP: tl.constexpr):
-    """[BK/2, BN] pointers to the packed bytes of a K step and to each byte's scale byte.
-
-    Offsets as k0/2 + j and k0/G + j/(G/2) (k0 is a multiple of G), not kk/2 and kk/G, so the
-    compiler sees the bytes contiguous and each scale constant over G/2 bytes."""
-    w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
-    s_ptrs = s_base + n[None, :] * stride_sn + (k0 // GROUP + j // (GROUP // 2))[:, None]
-    return w_ptrs, s_ptrs
+        smask = ((k0 + g * GROUP) < K)[:, None] & nmask[None, :]
+    return kk, kmask, w_ptrs, s_ptrs, wmask, smask
 
 
 @jit
@@ -582,6 +624,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
+    USE_PTX: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
@@ -591,7 +634,6 @@ def _gate_up_kernel(
     )
     DT: tl.constexpr = x_ptr.dtype.element_ty
     token = (pair // TOP_K).to(tl.int64)
-    j = tl.arange(0, BLOCK_K // 2)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
     g_gate = 1.0
@@ -602,17 +644,16 @@ def _gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + 2 * j  # even element of each packed byte, [BK/2]
-        kmask, wmask = _k_masks(kk, nmask, K, EVEN_K)
+        kk, kmask, wg_ptrs, sg_ptrs, wmask, smask = _w4_step(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
         amask = valid[:, None] & kmask[None, :]
         x_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :]
         xe = tl.load(x_ptrs, mask=amask, other=0.0)
         xo = tl.load(x_ptrs + 1, mask=amask, other=0.0)
-        wg_ptrs, sg_ptrs = _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP)
-        ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, DT, IS_NVFP4)
-        ue, uo = _w4_tile(
-            wg_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, g_up, wmask, DT, IS_NVFP4
-        )
+        ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, smask, DT, IS_NVFP4, GROUP, USE_PTX)
+        ue, uo = _w4_tile(wg_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, g_up, wmask, smask,
+                          DT, IS_NVFP4, GROUP, USE_PTX)  # fmt: skip
         acc_g = tl.dot(xe, ge, acc_g, input_precision=PRECISION)
         acc_g = tl.dot(xo, go, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(xe, ue, acc_u, input_precision=PRECISION)
@@ -652,6 +693,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
+    USE_PTX: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
@@ -661,7 +703,6 @@ def _down_kernel(
     )
     DT: tl.constexpr = a_ptr.dtype.element_ty
     pair64 = pair.to(tl.int64)
-    j = tl.arange(0, BLOCK_K // 2)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
     gscale = 1.0
@@ -669,14 +710,14 @@ def _down_kernel(
         gscale = tl.load(g_ptr + expert)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + 2 * j
-        kmask, wmask = _k_masks(kk, nmask, K, EVEN_K)
+        kk, kmask, w_ptrs, s_ptrs, wmask, smask = _w4_step(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
         amask = valid[:, None] & kmask[None, :]
         a_ptrs = a_ptr + pair64[:, None] * stride_at + kk[None, :]
         ae = tl.load(a_ptrs, mask=amask, other=0.0)
         ao = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-        w_ptrs, s_ptrs = _w4_tile_ptrs(w_base, s_base, n, k0, j, stride_wn, stride_sn, GROUP)
-        we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, DT, IS_NVFP4)
+        we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, smask, DT, IS_NVFP4, GROUP, USE_PTX)
         acc = tl.dot(ae, we, acc, input_precision=PRECISION)
         acc = tl.dot(ao, wo, acc, input_precision=PRECISION)
     rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
@@ -790,6 +831,7 @@ def moe_w4a16_gate_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
+        USE_PTX=not INTERPRETED,
         PRECISION=_precision(x.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -862,6 +904,7 @@ def moe_w4a16_down(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
+        USE_PTX=not INTERPRETED,
         PRECISION=_precision(a.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -1088,15 +1131,6 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 
 @jit
-def _e2m1_to_e4m3_bits(code):
-    """E2M1 code (int32, 0..15) -> the e4m3 byte of the same value: exponent e >= 1 becomes e + 6
-    (bias 1 -> 7) with the mantissa bit on top; 0.5 (e = 0, m = 1) is 2^-1, exponent field 6."""
-    mag = code & 7
-    bits = tl.where(mag >= 2, (mag << 2) + 48, tl.where(mag == 1, 48, 0))
-    return bits | ((code & 8) << 4)
-
-
-@jit
 def _fp32_to_e4m3_bits(v):
     """fp32 -> e4m3fn byte (int32), round to nearest even, saturating at +-448; NaN -> 0x7F."""
     u = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -1120,8 +1154,9 @@ def _as_e4m3(bits):
 
 @jit
 def _group_scales(s_ptrs, gscale, nmask, IS_NVFP4: tl.constexpr):
+    """The group's scales times 2^6, the factor `_e2m1_e4m3_bits` takes out of the weights."""
     byte = tl.load(s_ptrs, mask=nmask, other=0).to(tl.int32)
-    return _scale_value(byte, IS_NVFP4) * gscale
+    return _scale_value(byte, IS_NVFP4) * gscale * 64.0
 
 
 @jit
@@ -1131,7 +1166,7 @@ def _w4a8_partial(xq, w_ptrs, s_ptrs, shift, r, wmask, nmask, gscale, IS_NVFP4: 
     w_ptrs [32, BN]: row r points at the byte holding element k0 + r (each byte is read by the
     two rows of its nibbles); shift [32, 1]: 0 for even rows (low nibble), 4 for odd rows."""
     packed = tl.load(w_ptrs, mask=wmask, other=0).to(tl.int32)
-    bits = _e2m1_to_e4m3_bits((packed >> shift) & 15)
+    bits = _e2m1_e4m3_bits(packed >> shift)  # values * 2^-6: the scales carry 2^6
     if IS_NVFP4:  # two 16-element groups: one dot each, the other group's rows zeroed
         lo = _as_e4m3(tl.where(r < 16, bits, 0))
         hi = _as_e4m3(tl.where(r >= 16, bits, 0))

@@ -113,6 +113,20 @@ def prefill_only_step() -> Iterator[None]:
         _PREFILL_STEP.reset(token)
 
 
+def fused_w4a16_unsupported(device: torch.device) -> str | None:
+    """Why the fused W4A16 kernels cannot run on `device` (the layer then dequantizes and loops
+    over experts in torch), or None when they can. They decode weights through the hardware fp8
+    conversion; Triton's interpreter runs them on the CPU for tests."""
+    if INTERPRETED:
+        return None
+    if device.type != "cuda":
+        return f"the fused kernels need a CUDA GPU (the layer is on {device.type})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        return f"the fused kernels need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    return None
+
+
 def fp8_activations_unsupported(device: torch.device) -> str | None:
     """Why FP8-activation kernels cannot run on `device`, or None when they can."""
     if device.type != "cuda":
@@ -201,7 +215,9 @@ class QuantFusedMoE(nn.Module):
         self.w13_input_scale.optional = True  # type: ignore[attr-defined]
         self.w2_input_scale.optional = True  # type: ignore[attr-defined]
         self._prefetch: _CsfLayer | None = None
-        # Whether prefill-only steps run W4A8: settled by `settle_row_kernels` after loading.
+        # Settled by `settle_row_kernels` after loading: whether the fused kernels run (else the
+        # torch path), and whether prefill-only steps run W4A8.
+        self.fused_kernels = False
         self.fp8_prefill = False
         self.layer_key = _LAYERS.register(self)
         # With csf_prefetch: the checkpoint's CSF blobs, by (param, expert, part), so the layer's
@@ -291,7 +307,7 @@ class QuantFusedMoE(nn.Module):
         s13, s2 = self.scales()
         weights = (self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
                    self.w2_weight_scale_2)  # fmt: skip
-        kernels = hidden.device.type == "cuda" or INTERPRETED  # else: dequantize and loop (CPU)
+        kernels = self.fused_kernels  # else: dequantize and loop over experts in torch
         if fp8:
             x_scale, a_scale = self.fp8_scales()
             args = (hidden, *weights, x_scale, a_scale, topk_weights, topk_ids, self.weight_format)
@@ -320,14 +336,19 @@ class QuantFusedMoE(nn.Module):
         return fp8_activations_unsupported(self.w13_weight.device)
 
     def settle_row_kernels(self) -> None:
-        """After loading (scales in place, layer on its device): whether prefill-only steps may
-        run W4A8. Reads the input scales on the host, so it runs once, not per forward."""
-        self.fp8_prefill = self.prefill_fp8_blocker() is None
+        """After loading (scales in place, layer on its device): whether the fused kernels run and
+        whether prefill-only steps may run W4A8. Reads the input scales on the host, so it runs
+        once, not per forward."""
+        self.fused_kernels = fused_w4a16_unsupported(self.w13_weight.device) is None
+        self.fp8_prefill = self.fused_kernels and self.prefill_fp8_blocker() is None
 
     def describe(self) -> str:
         """What each row type runs, for the start-up log."""
         fmt = self.weight_format.upper()
         w4 = f"W4A16 ({fmt} weights, bf16/fp16 activations)"
+        unsupported = fused_w4a16_unsupported(self.w13_weight.device)
+        if unsupported is not None:
+            return f"all rows: {fmt} experts dequantized in torch ({unsupported})"
         blocker = self.prefill_fp8_blocker()
         if blocker is not None:
             prefill = f"{w4}; {blocker}"

@@ -83,13 +83,17 @@ def test_dequantize_ref_matches_quant_formats():
 
 
 @triton.jit
-def _dequant_all_kernel(w_ptr, s_ptr, g_ptr, even_ptr, odd_ptr, N: tl.constexpr, IS_NVFP4: tl.constexpr):
+def _dequant_all_kernel(w_ptr, s_ptr, g_ptr, even_ptr, odd_ptr, N: tl.constexpr,
+                        GROUP: tl.constexpr, IS_NVFP4: tl.constexpr, USE_PTX: tl.constexpr):  # fmt: skip
     # One [256, N] tile: row r holds packed byte r, column c scale byte c (every pair of bytes).
     r = tl.arange(0, 256)
     c = tl.arange(0, N)
+    g = tl.arange(0, 512 // GROUP)
     w_ptrs = w_ptr + r[:, None] + 0 * c[None, :]
-    s_ptrs = s_ptr + c[None, :] + 0 * r[:, None]
-    even, odd = M._w4_tile(w_ptrs, s_ptrs, tl.load(g_ptr), c[None, :] < N, tl.float32, IS_NVFP4)
+    s_ptrs = s_ptr + c[None, :] + 0 * g[:, None]
+    mask = c[None, :] < N
+    even, odd = M._w4_tile(w_ptrs, s_ptrs, tl.load(g_ptr), mask, mask, tl.float32, IS_NVFP4,
+                           GROUP, USE_PTX)  # fmt: skip
     tl.store(even_ptr + r[:, None] * N + c[None, :], even)
     tl.store(odd_ptr + r[:, None] * N + c[None, :], odd)
 
@@ -106,7 +110,8 @@ def test_in_kernel_dequantization_is_exact_for_every_byte(fmt, global_scale):
     odd = torch.empty_like(even)
     glob = torch.tensor([global_scale], device=DEVICE)
     _dequant_all_kernel[(1,)](codes.to(DEVICE), codes.to(DEVICE), glob, even, odd, N=256,
-                              IS_NVFP4=fmt == "nvfp4")  # fmt: skip
+                              GROUP=M.GROUP[fmt], IS_NVFP4=fmt == "nvfp4",
+                              USE_PTX=not INTERPRETED)  # fmt: skip
     # The reference on a [256 scales, 1, 2 * 256 / G] layout: row c has scale byte c everywhere.
     g = M.GROUP[fmt]
     weight = codes.repeat(256, 1)[None]  # [1, 256, 256]: element pair r of every row

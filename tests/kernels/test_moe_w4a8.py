@@ -138,16 +138,16 @@ def test_fp32_to_e4m3_rounding_matches_torch():
 
 
 @kernels
-def test_e2m1_codes_expand_to_equal_e4m3_values():
+def test_e2m1_codes_expand_to_e4m3_values_times_2_pow_minus_6():
     @jit
     def expand(o_ptr):
         c = tl.arange(0, 16)
-        tl.store(o_ptr + c, M._e2m1_to_e4m3_bits(c).to(tl.uint8))
+        tl.store(o_ptr + c, M._e2m1_e4m3_bits(c).to(tl.uint8))
 
     out = torch.empty(16, dtype=torch.uint8, device=DEVICE)
     expand[(1,)](out)
     got = out.view(torch.float8_e4m3fn).float().cpu()
-    assert torch.equal(got, e2m1_to_float(torch.arange(16, dtype=torch.uint8)))
+    assert torch.equal(got * 64, e2m1_to_float(torch.arange(16, dtype=torch.uint8)))
 
 
 def _ulp_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -262,7 +262,8 @@ def test_fp8_support_by_device(monkeypatch):
      (True, False, "FP8 activations requested but the layer has no calibrated input scales"),
      (True, True, "FP8 activations need a CUDA GPU (the layer is on cpu)")],
 )  # fmt: skip
-def test_describe_names_why_prefill_stays_w4a16(requested, calibrated, why):
+def test_describe_names_why_prefill_stays_w4a16(requested, calibrated, why, monkeypatch):
+    monkeypatch.setattr(Q, "fused_w4a16_unsupported", lambda device: None)
     layer = packed_layer("nvfp4", requested, calibrated)
     layer.settle_row_kernels()
     assert not layer.fp8_prefill
@@ -270,7 +271,27 @@ def test_describe_names_why_prefill_stays_w4a16(requested, calibrated, why):
     assert layer.describe() == f"decode/verify rows: {w4}; prefill rows: {w4}; {why}"
 
 
+def test_layer_without_fused_kernels_says_so(monkeypatch):
+    """A GPU without the hardware fp8 conversion (or the CPU) runs the torch path for all rows."""
+    why = "the fused kernels need compute capability >= 8.9 (this GPU: 8.0)"
+    monkeypatch.setattr(Q, "fused_w4a16_unsupported", lambda device: why)
+    monkeypatch.setattr(Q, "fp8_activations_unsupported", lambda device: None)
+    layer = packed_layer("nvfp4", True, True)
+    layer.settle_row_kernels()
+    assert not layer.fused_kernels and not layer.fp8_prefill
+    assert layer.describe() == f"all rows: NVFP4 experts dequantized in torch ({why})"
+
+
+def test_fused_kernels_need_hardware_fp8_conversion(monkeypatch):
+    monkeypatch.setattr(Q, "INTERPRETED", False)
+    assert "CUDA GPU" in Q.fused_w4a16_unsupported(torch.device("cpu"))
+    for cap, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert (Q.fused_w4a16_unsupported(torch.device("cuda")) is None) == ok
+
+
 def test_one_uncalibrated_expert_keeps_prefill_w4a16(monkeypatch):
+    monkeypatch.setattr(Q, "fused_w4a16_unsupported", lambda device: None)
     monkeypatch.setattr(Q, "fp8_activations_unsupported", lambda device: None)
     layer = packed_layer("mxfp4", True, True)
     layer.w2_input_scale.data[2] = 0.0
@@ -335,6 +356,7 @@ def test_start_up_lines(monkeypatch):
             "b": Block(packed_layer("nvfp4", True, False)),
         }
     )
+    monkeypatch.setattr(Q, "fused_w4a16_unsupported", lambda device: None)
     monkeypatch.setattr(Q, "fp8_activations_unsupported", lambda device: None)
     lines = Q.finalize_moe_layers(model, Q.MoeOptions("nvfp4", False, "fp8"))
     assert lines == [
