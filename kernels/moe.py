@@ -213,10 +213,18 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     PAIRS_PAD: tl.constexpr,  # num_pairs rounded up to a power of two (a constexpr loop bound)
     BLOCKS_PAD: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,  # num_blocks * BLOCK_M, likewise
     CHUNK: tl.constexpr,
 ):
     e = tl.arange(0, E_PAD)
     c = tl.arange(0, CHUNK)
+    # 0. every slot starts as padding (here rather than in a fill kernel: decode runs this per
+    # MoE layer, and a separate launch costs more than the whole alignment)
+    for start in range(0, SLOTS_PAD, CHUNK):
+        slot = start + c
+        tl.store(sorted_ptr + slot, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=slot < num_blocks * BLOCK_M)  # fmt: skip
+    tl.debug_barrier()  # the padding is written before any pair lands on its slot
     # 1. tokens per expert
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, PAIRS_PAD, CHUNK):
@@ -362,15 +370,35 @@ def moe_align_block_size(
     num_pairs = topk_ids.numel()
     size = max_padded_pairs(num_pairs, num_experts, block_m)
     dev = topk_ids.device
-    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=dev)
     num_blocks = size // block_m
-    expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32, device=dev)
-    num_post_pad = torch.zeros(1, dtype=torch.int32, device=dev)
-    if num_pairs == 0:
-        return sorted_ids, expert_ids, num_post_pad
     ids = topk_ids.contiguous().view(-1)
     e_pad = next_pow2(num_experts)
-    if num_pairs > ALIGN_SINGLE_MAX_PAIRS:
+    if 0 < num_pairs <= ALIGN_SINGLE_MAX_PAIRS:  # one program writes every output slot
+        sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+        chunk = max(16, min(64, 8192 // e_pad))
+        _align_kernel[(1,)](
+            ids,
+            sorted_ids,
+            expert_ids,
+            num_post_pad,
+            num_pairs,
+            num_blocks,
+            NUM_EXPERTS=num_experts,
+            E_PAD=e_pad,
+            BLOCK_M=block_m,
+            PAIRS_PAD=max(next_pow2(num_pairs), chunk),
+            BLOCKS_PAD=max(next_pow2(num_blocks), chunk),
+            SLOTS_PAD=max(next_pow2(size), chunk),
+            CHUNK=chunk,
+            num_warps=4,
+        )
+        return sorted_ids, expert_ids, num_post_pad
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=dev)
+    expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32, device=dev)
+    num_post_pad = torch.zeros(1, dtype=torch.int32, device=dev)
+    if num_pairs > 0:
         num_chunks = -(-num_pairs // ALIGN_CHUNK)
         counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)
         base = torch.empty_like(counts)
@@ -395,23 +423,6 @@ def moe_align_block_size(
         _align_scatter_kernel[(num_chunks,)](
             ids, base, sorted_ids, num_pairs, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4
         )
-        return sorted_ids, expert_ids, num_post_pad
-    chunk = max(16, min(64, 8192 // e_pad))
-    _align_kernel[(1,)](
-        ids,
-        sorted_ids,
-        expert_ids,
-        num_post_pad,
-        num_pairs,
-        num_blocks,
-        NUM_EXPERTS=num_experts,
-        E_PAD=e_pad,
-        BLOCK_M=block_m,
-        PAIRS_PAD=max(next_pow2(num_pairs), chunk),
-        BLOCKS_PAD=max(next_pow2(num_blocks), chunk),
-        CHUNK=chunk,
-        num_warps=4,
-    )
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -974,8 +985,8 @@ def fused_moe_w4a16(
 # W4A8: FP8 e4m3 activations against the same 4-bit weights (prefill rows, opt-in)
 #
 # Activations are quantized with one per-tensor scale s (x_q = e4m3(clamp(x / s, +-448))), the 4-bit
-# weights are expanded in the kernel to e4m3 without their scales (every E2M1 value is exactly an
-# e4m3 value), and each fp8 `tl.dot` covers exactly one scale group, so its partial product is
+# weights are expanded in the kernel to e4m3 without their scales (every E2M1 value times 2^-6 is
+# exactly an e4m3 value; the 2^6 goes to the scales), and each fp8 `tl.dot` covers exactly one scale group, so its partial product is
 # multiplied by that group's scale in fp32 and added to an fp32 accumulator:
 #     y = s * sum_g (x_q[g] . e2m1[g]) * scale_g * global
 # fp8 dots need K >= 32 (Hopper wgmma and Ada mma read 32 bytes of K), so a K step is 32 elements:
