@@ -73,7 +73,8 @@ def verify(
         # random rows (a full-vocabulary hash per row).
         out, _ = _greedy(target, drafts, num_draft)
     else:
-        temperatures = torch.tensor([0.0 if g else 1.0 for g in greedy], device=device)
+        # Temperature 1 for sampled rows: process_logits has applied theirs.
+        temperatures = host_to_device(torch.tensor([0.0 if g else 1.0 for g in greedy]), device)
         out, _ = rejection_sample(
             target,
             drafts,
@@ -82,6 +83,7 @@ def verify(
             seeds,
             positions,
             num_draft,
+            check_ranges=False,  # built here: num_draft <= K, temperatures 0 or 1
         )
 
     results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
@@ -149,7 +151,10 @@ def verify_from_shards(
     index, drafts, num_draft, seeds, positions = _step_inputs(requests, k, device)
     target = torch.cat(list(logits))[index]  # [R, K+1, Vs]
     rows = [r.sampling for r in requests]
-    temperatures = torch.tensor([row.params.temperature for row in rows], device=device)  # type: ignore[union-attr]
+    temperatures = host_to_device(
+        torch.tensor([row.params.temperature for row in rows]),  # type: ignore[union-attr]
+        device,
+    )
 
     if all(row.params.greedy for row in rows):  # type: ignore[union-attr]
         # The argmax alone: one [rows, 2] gather of each shard's (max, token), no keyed noise.
@@ -174,12 +179,14 @@ def verify_from_shards(
             draft_shards[i, :n] = s.logits[:n]
             draft_logprobs[i, :n] = s.logprobs[:n]
             draft_lse[i, :n] = s.lse[:n]
-        one_hot = torch.tensor([s is None for s in stored], device=device)
+        one_hot = host_to_device(torch.tensor([s is None for s in stored]), device)
         valid = torch.arange(k, device=device)[None, :] < num_draft[:, None]
         local = drafts - vocab_start
         owned = (local >= 0) & (local < size) & valid & one_hot[:, None]  # [R, K]
-        at_row, at_step = owned.nonzero(as_tuple=True)
-        draft_shards[at_row, at_step, local[at_row, at_step]] = 0.0
+        # log q = 0 at owned one-hot drafts, by a scatter that needs no host read of `owned`
+        at = local.clamp(0, size - 1)[..., None]  # [R, K, 1]
+        kept = draft_shards.gather(2, at)
+        draft_shards.scatter_(2, at, torch.where(owned[..., None], 0.0, kept))
 
     out, num_accepted = vocab_parallel_rejection_sample(
         [target],
@@ -193,6 +200,7 @@ def verify_from_shards(
         positions,
         num_draft,
         gather=gather,
+        check_ranges=False,  # built here: num_draft <= K, temperatures from validated params
     )
     return _accepted_tokens(out, num_accepted)
 

@@ -44,6 +44,8 @@ def rejection_sample(
     seeds: Tensor,
     positions: Tensor,
     num_draft: Tensor,
+    *,
+    check_ranges: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Verify drafts and emit each row's accepted tokens plus one corrected or bonus token.
 
@@ -53,13 +55,16 @@ def rejection_sample(
     temperatures: [R] fp32, 0 = greedy.
     seeds: [R] int64; positions: [R] int64, the position of the first draft token.
     num_draft: [R] int64 in [0, K], the drafts each row verifies.
+    check_ranges: False skips checking num_draft's and the temperatures' values, which reads them
+    on the host (a wait for the device); for callers that built them on the host.
 
     Returns (output_token_ids [R, K+1] int64, the num_accepted[r] accepted drafts then one
     target token, padded with -1; num_accepted [R] int64).
     """
     num_rows, k1, vocab_size = _check(
-        target_logits, draft_token_ids, draft_probs, temperatures, seeds, positions, num_draft
-    )
+        target_logits, draft_token_ids, draft_probs, temperatures, seeds, positions, num_draft,
+        check_ranges,
+    )  # fmt: skip
     k = k1 - 1
     device = target_logits.device
     greedy = temperatures == 0  # [R]
@@ -99,7 +104,9 @@ def rejection_sample(
     j = num_accepted  # [R], index into K+1
     rejected = j < num_draft  # [R]
     final_logits = scaled[rows, j]  # [R, V]; the bonus samples from p itself
-    if k > 0 and bool((rejected & ~greedy).any()):
+    # On a GPU the residual is computed whether or not a row needs it: asking would wait for the
+    # device (and stall the next step's host work under asynchronous scheduling).
+    if k > 0 and (target_logits.is_cuda or bool((rejected & ~greedy).any())):
         t_lp = target_lp[rows, j]  # [R, V]
         jd = j.clamp(max=k - 1)
         if draft_probs is None:
@@ -133,6 +140,7 @@ def _check(
     seeds: Tensor,
     positions: Tensor,
     num_draft: Tensor,
+    check_ranges: bool,
 ) -> tuple[int, int, int]:
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [R, K+1, V], got {tuple(target_logits.shape)}")
@@ -159,6 +167,8 @@ def _check(
             raise ValueError(
                 f"{name} must be [{num_rows}] {dtype or ''}, got {t.dtype} {tuple(t.shape)}"
             )
+    if not check_ranges:  # the caller built num_draft and temperatures: no device read
+        return num_rows, k1, vocab_size
     if bool(((num_draft < 0) | (num_draft > k1 - 1)).any()):
         raise ValueError(f"num_draft must lie in [0, {k1 - 1}], got {num_draft.tolist()}")
     if bool((temperatures < 0).any()):

@@ -467,6 +467,8 @@ def vocab_parallel_rejection_sample(
     positions: Tensor,
     num_draft: Tensor,
     gather: Gather = stack_gather,
+    *,
+    check_ranges: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """rejection_sample over vocab shards: (output_token_ids [R, K+1], num_accepted [R]).
 
@@ -478,7 +480,7 @@ def vocab_parallel_rejection_sample(
     must lie in [0, V). Callers that process logits first (penalties, then temperature) pass the
     processed logits with temperature 1 for random rows, as libkk.runtime.verify does. A batch
     that mixes one-hot rows into probabilistic ones gives those rows draft logits of 0 at the
-    draft token and -inf elsewhere (log q(d) = 0, lse = 0).
+    draft token and -inf elsewhere (log q(d) = 0, lse = 0). check_ranges as in rejection_sample.
     """
     _check_shards(target_shards, starts, "vocab_parallel_rejection_sample")
     one_hot = draft_shards is None
@@ -500,9 +502,9 @@ def vocab_parallel_rejection_sample(
     _check_rows(
         num_rows, temperatures=temperatures, seeds=seeds, positions=positions, num_draft=num_draft
     )
-    if bool(((num_draft < 0) | (num_draft > k)).any()):
+    if check_ranges and bool(((num_draft < 0) | (num_draft > k)).any()):
         raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {num_draft.tolist()}")
-    if bool((temperatures < 0).any()):
+    if check_ranges and bool((temperatures < 0).any()):
         raise SpeculationInputError("temperatures must be >= 0")
     for name, t in (("draft_logprobs", draft_logprobs), ("draft_lse", draft_lse)):
         if t is not None and t.shape != (num_rows, k):
