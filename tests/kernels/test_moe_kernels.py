@@ -221,6 +221,45 @@ def test_gemm_ops_vs_reference(shape, cfg, dtype, fmt):
     torch.testing.assert_close(out, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
+PAIRS = M.MoeTileConfig(block_m=M.PAIR_MAJOR, block_n=16, block_k=64, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,block_k",
+    [((1, 8, 4, 128, 64), 64), ((3, 8, 2, 64, 96), 64), ((6, 4, 4, 128, 32), 32)],
+    ids=["decode1", "t3-uneven-k", "t6-shared-experts"],
+)
+def test_pair_major_path_vs_reference(shape, block_k, dtype, fmt):
+    """block_m = PAIR_MAJOR: per-pair products, the top-k sum in the down kernel; equal to the
+    reference (t3: the down reduction of 96 is not a multiple of block_k; t6: four experts for six
+    tokens, so pairs share experts)."""
+    t, e, k, hidden, inter = shape
+    w13, s13, g13, w2, s2, g2 = random_layer(e, hidden, inter, fmt, seed=3 * t + e)
+    gen = torch.Generator().manual_seed(t + 100)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = M.moe_topk_routing_ref(torch.randn(t, e, generator=gen).to(DEVICE), k, True)
+    cfg = M.MoeTileConfig(M.PAIR_MAJOR, 16, block_k, 4, 1)
+    out = M.fused_moe_w4a16(x, w13, s13, g13, w2, s2, g2, weights, ids, fmt, cfg)
+    want = M.fused_moe_w4a16_ref(x, w13, s13, g13, w2, s2, g2, weights, ids, fmt)
+    assert out.shape == (t, hidden) and out.dtype == dtype
+    scale = want.abs().max().item()
+    torch.testing.assert_close(out, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+    # The sorted path computes the same thing.
+    sorted_out = M.fused_moe_w4a16(x, w13, s13, g13, w2, s2, g2, weights, ids, fmt, SMALL)
+    torch.testing.assert_close(out, sorted_out, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def test_tile_configs_accept_pair_major_for_w4a16_only():
+    M.check_tile_config("w4a16", PAIRS)
+    with pytest.raises(M.MoeKernelError, match="block_m"):
+        M.check_tile_config("w4a16", M.MoeTileConfig(8, 16, 64, 4, 1))
+    w4a8 = M.W4A8TileConfig(block_m=M.PAIR_MAJOR, block_n=32, num_warps=4, num_stages=2)
+    with pytest.raises(M.MoeKernelError, match="block_m"):
+        M.check_tile_config("w4a8", w4a8)
+
+
 def test_gemm_rejects_bad_inputs():
     w13, s13, g13, w2, s2, g2 = random_layer(2, 64, 32, "nvfp4", seed=0)
     x = torch.zeros(1, 64, device=DEVICE)
