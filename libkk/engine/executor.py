@@ -66,6 +66,7 @@ import torch.distributed as dist
 from libkk.config import EngineConfig
 from libkk.dist import (
     broadcast_object,
+    current_phase,
     destroy_tensor_parallel,
     enter_phase,
     get_tp_size,
@@ -304,8 +305,8 @@ class TPExecutor:
                     f"{proc.exitcode} during a step"
                 )
             return (
-                f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                f"{proc.exitcode} during start-up{self._phase_of(rank)}"
+                f"tensor-parallel worker rank {rank} exited during start-up, rank 0 being at "
+                f"{current_phase()!r}: {self.describe_workers()}"
             )
         # NOTE: a step whose collectives a CUDA graph replays has no NCCL timeout of its own.
         stalled = time.monotonic() - self._step_started

@@ -41,7 +41,8 @@ def attempt(phase):
                 "seconds": time.monotonic() - start}
 
 init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout)
-report("same", **attempt("decode graph q=1 size=8: warm-up"))
+with torch.inference_mode():  # as DecodeGraphs.capture runs it
+    report("same", **attempt("decode graph q=1 size=8: warm-up"))
 report("differ", **attempt(f"decode graph plan (q, size): {[(1, 8), (1, 4 * (rank + 1))]}"))
 
 class Graph:  # stands in for torch.cuda.CUDAGraph: only reset() is used
