@@ -13,7 +13,8 @@ Run on the GPU machine: python benchmarks/moe.py --json moe.json   (about 3-5 mi
 
 `--sweep` instead times the fused path over a grid of tile configurations at each token count
 (CUDA-graph replays, same inputs) and prints the fastest few beside the default table's choice:
-what `kernels/moe.py`'s DECODE_CONFIG / PREFILL_CONFIG should be.
+what `kernels/moe.py`'s DECODE_CONFIG / PREFILL_CONFIG should be. Up to 16 tokens the grid
+starts with the pair-major decode path (block_m = 1).
 """
 
 from __future__ import annotations
@@ -168,13 +169,16 @@ def sweep_configs(t: int) -> list:
     """Tile configurations worth trying at t tokens (decode sizes: small M tiles, many N tiles)."""
     import itertools
 
-    from libkk.kernels.moe import MoeTileConfig
+    from libkk.kernels.moe import PAIR_MAJOR, MoeTileConfig
 
+    pairs = []  # the pair-major decode path first: the budget may not reach the end of the grid
+    if t <= 16:
+        pairs = list(itertools.product([PAIR_MAJOR], [8, 16, 32], [128, 256], [2, 4], [2, 3]))
     if t <= 64:
         grid = itertools.product([16], [16, 32, 64], [128, 256], [4, 8], [2, 3, 4])
     else:
         grid = itertools.product([64, 128], [64, 128], [64, 128], [4, 8], [3])
-    return [MoeTileConfig(*c) for c in grid]
+    return [MoeTileConfig(*c) for c in [*pairs, *grid]]
 
 
 def sweep_fused(fmt: str, layers: list[dict], t: int, budget_s: float) -> list[dict]:

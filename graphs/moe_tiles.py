@@ -30,6 +30,7 @@ from libkk.graphs.artifacts import ArtifactEntry
 from libkk.kernels._jit import next_pow2
 from libkk.kernels.moe import (
     GROUP,
+    PAIR_MAJOR,
     W4A8_PREFILL_CONFIG,
     MoeKernelError,
     MoeShape,
@@ -54,6 +55,9 @@ logger = logging.getLogger("libkk")
 
 # Kernel names in the autotune store (one per activation kind).
 STORE_KERNELS = {"w4a16": "libkk.fused_moe_w4a16", "w4a8": "libkk.fused_moe_w4a8"}
+# Largest bucket given pair-major candidates: at 16 tokens x top-8 over 128 experts a pair-major
+# layer already reads each touched expert ~1.6 times.
+PAIR_MAJOR_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,9 @@ def static_config(activations: str, num_tokens: int) -> TileConfig:
 def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     """The static choice first, then its neighbours: one tile axis halved or doubled (M tiles no
     taller than the bucket needs, K steps no longer than the shorter reduction), the other warp
-    count, one pipeline stage more or fewer."""
+    count, one pipeline stage more or fewer; for W4A16 decode buckets also two pair-major
+    configs, whose products per (token, expert) pair beat M tiles while few pairs share an
+    expert."""
     base = static_config(shape.activations, num_tokens)
     max_m = max(16, min(128, next_pow2(num_tokens * shape.top_k)))
     max_k = min(256, next_pow2(min(shape.hidden, shape.intermediate)))
@@ -128,6 +134,11 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     for stages in (base.num_stages - 1, base.num_stages + 1):
         if 2 <= stages <= 4:
             add(num_stages=stages)
+    if shape.activations == "w4a16" and num_tokens <= PAIR_MAJOR_MAX_TOKENS:
+        # the pair-major decode path: no M tile, narrow N tiles, long K steps
+        k_step = max(limits["block_k"][0], min(256, max_k))
+        for block_n in (16, 32):
+            out.append(MoeTileConfig(PAIR_MAJOR, block_n, k_step, 4, 2))
     return out
 
 

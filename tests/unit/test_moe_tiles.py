@@ -10,6 +10,7 @@ import pytest
 import torch
 from libkk.graphs.artifacts import ArtifactCache, ArtifactKey
 from libkk.graphs.moe_tiles import (
+    PAIR_MAJOR_MAX_TOKENS,
     STORE_KERNELS,
     TuneProblem,
     candidate_configs,
@@ -205,14 +206,17 @@ def test_candidates_start_with_the_static_choice_and_are_valid():
         for t in (1, 4, 64, 128, 4096):
             cands = candidate_configs(shape, t)
             assert cands[0] == static_config(shape.activations, t)
-            assert len(cands) == len(set(cands)) and 3 <= len(cands) <= 10
+            assert len(cands) == len(set(cands)) and 3 <= len(cands) <= 12
+            pair_major = [c for c in cands if c.block_m == M.PAIR_MAJOR]
+            decode = shape.activations == "w4a16" and t <= PAIR_MAJOR_MAX_TOKENS
+            assert len(pair_major) == (2 if decode else 0)
             for cfg in cands:
                 M.check_tile_config(shape.activations, cfg)
                 if isinstance(cfg, M.MoeTileConfig) and cfg != cands[0]:  # neighbours only
                     assert cfg.block_k <= max(32, min(shape.hidden, shape.intermediate))
                     assert cfg.block_k >= M.GROUP[shape.fmt]
     # one token at top-2 fills at most two rows of a tile: no taller M tiles than 16
-    assert all(c.block_m == 16 for c in candidate_configs(SHAPE, 1))
+    assert all(c.block_m in (16, M.PAIR_MAJOR) for c in candidate_configs(SHAPE, 1))
 
 
 class _TinyMoeModel(nn.Module):
