@@ -136,7 +136,10 @@ def release_captured_graphs() -> int:
     graphs = list(_captured_graphs)
     _captured_graphs.clear()
     for graph in graphs:
-        graph.reset()
+        try:
+            graph.reset()
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA error after an abort: go on
+            logger.warning("could not reset a captured CUDA graph: %s", e)
     return len(graphs)
 
 
@@ -156,9 +159,12 @@ def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
     if not dist.is_initialized():
         return True
     done = threading.Event()
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def destroy() -> None:
         try:
+            if cuda_device is not None:  # a new thread starts on device 0
+                torch.cuda.set_device(cuda_device)
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer may be gone already; nothing left to free
             pass

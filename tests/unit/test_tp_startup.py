@@ -4,7 +4,8 @@
   phase named when they differ (different capture plans), or with the phase and the timeout named
   when a rank never arrives;
 - `destroy_tensor_parallel` resets the tracked CUDA graphs (NCCL cannot destroy a communicator
-  that a live graph captured) before it destroys the group, and returns.
+  that a live graph captured) before it destroys the group, past one whose reset fails, and
+  returns.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ class Graph:  # stands in for torch.cuda.CUDAGraph: only reset() is used
     def reset(self):
         Graph.resets += 1
 
-kept = [Graph(), Graph()]
+class Broken:  # a graph whose reset fails (a CUDA error after an abort) stops nothing
+    def reset(self):
+        raise RuntimeError("CUDA error")
+
+kept = [Graph(), Broken(), Graph()]
 for g in kept:
     track_captured_graph(g)
 if rank == 1:  # never reaches the phase: rank 0 waits, then fails
