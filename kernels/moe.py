@@ -532,6 +532,12 @@ def _e2m1_pairs_as_f16(packed):
     )
 
 
+def _ptx_decode(block_n: int, block_k: int, num_warps: int) -> bool:
+    """Whether a W4 tile of these sizes decodes through `_e2m1_pairs_as_f16`: on CUDA, with at
+    least the four packed bytes per thread that one call takes."""
+    return not INTERPRETED and block_n * block_k // 2 >= 4 * 32 * num_warps
+
+
 @jit
 def _w4_tile(
     w_ptrs,  # [BK/2, BN] pointers to packed bytes
@@ -844,7 +850,7 @@ def moe_w4a16_gate_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
-        USE_PTX=not INTERPRETED,
+        USE_PTX=_ptx_decode(block_n, block_k, num_warps),
         PRECISION=_precision(x.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -917,7 +923,7 @@ def moe_w4a16_down(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
-        USE_PTX=not INTERPRETED,
+        USE_PTX=_ptx_decode(block_n, block_k, num_warps),
         PRECISION=_precision(a.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -1140,8 +1146,8 @@ def _fused_moe_w4a16_pairs(
     ids = topk_ids.contiguous().view(-1)
     a = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     common = dict(TOP_K=top_k, GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, USE_PTX=not INTERPRETED, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)  # fmt: skip
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps))  # fmt: skip
     _gate_up_gemv_kernel[(num_tokens * top_k, -(-inter // cfg.block_n))](
         x, w13, w13_scale, w13_global, ids, a,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),

@@ -100,7 +100,8 @@ def _dequant_all_kernel(w_ptr, s_ptr, g_ptr, even_ptr, odd_ptr, N: tl.constexpr,
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("global_scale", [1.0, 3.7e-3])
-def test_in_kernel_dequantization_is_exact_for_every_byte(fmt, global_scale):
+@pytest.mark.parametrize("use_ptx", [False] if INTERPRETED else [False, True])
+def test_in_kernel_dequantization_is_exact_for_every_byte(fmt, global_scale, use_ptx):
     """Every packed byte with every scale byte (NaN, subnormal and extreme scales included) gives
     bit for bit the reference's fp32 value."""
     if fmt == "mxfp4" and global_scale != 1.0:
@@ -111,7 +112,7 @@ def test_in_kernel_dequantization_is_exact_for_every_byte(fmt, global_scale):
     glob = torch.tensor([global_scale], device=DEVICE)
     _dequant_all_kernel[(1,)](codes.to(DEVICE), codes.to(DEVICE), glob, even, odd, N=256,
                               GROUP=M.GROUP[fmt], IS_NVFP4=fmt == "nvfp4",
-                              USE_PTX=not INTERPRETED)  # fmt: skip
+                              USE_PTX=use_ptx)  # fmt: skip
     # The reference on a [256 scales, 1, 2 * 256 / G] layout: row c has scale byte c everywhere.
     g = M.GROUP[fmt]
     weight = codes.repeat(256, 1)[None]  # [1, 256, 256]: element pair r of every row
