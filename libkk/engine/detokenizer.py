@@ -63,9 +63,16 @@ class IncrementalDetokenizer:
         or None. Tokens after a match are ignored."""
         if self._finished:
             return None
-        for token_id in new_token_ids:
-            self.output_token_ids.append(token_id)
-            self._decode_step()
+        start = len(self.output_token_ids)
+        self.output_token_ids.extend(new_token_ids)
+        end = len(self.output_token_ids)
+        # Several tokens (a verification step's accepted drafts) decode as one window: two
+        # decodes per step instead of two per token. If that window ends inside a character,
+        # each token's window is decoded as if they had arrived one by one, so the text a stop
+        # string is searched in is what it would have been.
+        if end > start and not self._decode_step(end) and end - start > 1:
+            for stop_at in range(start + 1, end + 1):
+                self._decode_step(stop_at)
         return self._check_stop()
 
     def take_delta(self) -> str:
@@ -93,18 +100,20 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def _decode_step(self) -> None:
-        """Decode the window ending at the newest token; emit its new text once it ends in a
-        complete character."""
+    def _decode_step(self, end: int) -> bool:
+        """Decode the window ending at output token `end`; emit its new text (returns True) once
+        it ends in a complete character."""
         ids = self.output_token_ids
-        text = self._decode(ids[self._prefix_offset :])
+        text = self._decode(ids[self._prefix_offset : end])
         # NOTE: while the text ends in U+FFFD the window grows. A character spans at most 4 byte
         # tokens; only a run of invalid bytes (which no tokenizer produces from real text) holds
         # longer, and every shorter cut was already tried when its last token arrived.
         if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT):
             self._text += text[len(self._prefix_text) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-            self._prefix_text = self._decode(ids[self._prefix_offset :])
+            self._prefix_offset, self._read_offset = self._read_offset, end
+            self._prefix_text = self._decode(ids[self._prefix_offset : end])
+            return True
+        return False
 
     def _check_stop(self) -> str | None:
         """Search the text decoded since the last check for the earliest stop string."""

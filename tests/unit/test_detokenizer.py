@@ -101,6 +101,21 @@ def test_cost_per_token_is_bounded(tok: Tokenizer) -> None:
     assert len(counting.windows) <= 2 * len(ids) + 1
 
 
+def test_several_tokens_per_update_decode_as_one_window(tok: Tokenizer) -> None:
+    """A verification step appends several tokens: two decodes per update, not per token, unless
+    the window ends inside a character (then each token's window, as one-by-one arrival)."""
+    ids = tok.encode(" ".join([CORPUS[0], CORPUS[1]] * 4)).ids  # ASCII: no split characters
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, [], SamplingParams())
+    updates = 0
+    for i in range(0, len(ids), 4):
+        detok.update(ids[i : i + 4])
+        updates += 1
+    detok.flush()
+    assert detok.output_text == tok.decode(ids)
+    assert len(counting.windows) <= 2 * updates + 1 < len(ids)
+
+
 def test_invalid_byte_sequences_still_match_full_decode(tok: Tokenizer) -> None:
     # Random ids include lone continuation bytes and truncated sequences (genuine U+FFFD).
     rng = random.Random(0)
