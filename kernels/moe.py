@@ -1211,8 +1211,9 @@ def fused_moe_w4a16(
 #
 # Activations are quantized with one per-tensor scale s (x_q = e4m3(clamp(x / s, +-448))), the 4-bit
 # weights are expanded in the kernel to e4m3 without their scales (every E2M1 value times 2^-6 is
-# exactly an e4m3 value; the 2^6 goes to the scales), and each fp8 `tl.dot` covers exactly one scale group, so its partial product is
-# multiplied by that group's scale in fp32 and added to an fp32 accumulator:
+# exactly an e4m3 value; each partial product is multiplied back by 2^6), and each fp8 `tl.dot`
+# covers exactly one scale group, so its partial product is multiplied by that group's scale in
+# fp32 and added to an fp32 accumulator:
 #     y = s * sum_g (x_q[g] . e2m1[g]) * scale_g * global
 # fp8 dots need K >= 32 (Hopper wgmma and Ada mma read 32 bytes of K), so a K step is 32 elements:
 # one MXFP4 group, or two NVFP4 groups run as two dots with the other group's weight rows zeroed
@@ -1394,9 +1395,8 @@ def _as_e4m3(bits):
 
 @jit
 def _group_scales(s_ptrs, gscale, nmask, IS_NVFP4: tl.constexpr):
-    """The group's scales times 2^6, the factor `_e2m1_e4m3_bits` takes out of the weights."""
     byte = tl.load(s_ptrs, mask=nmask, other=0).to(tl.int32)
-    return _scale_value(byte, IS_NVFP4) * gscale * 64.0
+    return _scale_value(byte, IS_NVFP4) * gscale
 
 
 @jit
@@ -1406,20 +1406,19 @@ def _w4a8_partial(xq, w_ptrs, s_ptrs, shift, r, wmask, nmask, gscale, IS_NVFP4: 
     w_ptrs [32, BN]: row r points at the byte holding element k0 + r (each byte is read by the
     two rows of its nibbles); shift [32, 1]: 0 for even rows (low nibble), 4 for odd rows."""
     packed = tl.load(w_ptrs, mask=wmask, other=0).to(tl.int32)
-    bits = _e2m1_e4m3_bits(packed >> shift)  # values * 2^-6: the scales carry 2^6
+    bits = _e2m1_e4m3_bits(packed >> shift)  # values * 2^-6: each dot is multiplied back by 2^6
     if IS_NVFP4:  # two 16-element groups: one dot each, the other group's rows zeroed
         lo = _as_e4m3(tl.where(r < 16, bits, 0))
         hi = _as_e4m3(tl.where(r >= 16, bits, 0))
         s_lo = _group_scales(s_ptrs, gscale, nmask, IS_NVFP4)
         s_hi = _group_scales(s_ptrs + 1, gscale, nmask, IS_NVFP4)
-        part = tl.dot(xq, lo, out_dtype=tl.float32) * s_lo[None, :]
-        part += tl.dot(xq, hi, out_dtype=tl.float32) * s_hi[None, :]
+        part = (tl.dot(xq, lo, out_dtype=tl.float32) * 64.0) * s_lo[None, :]
+        part += (tl.dot(xq, hi, out_dtype=tl.float32) * 64.0) * s_hi[None, :]
     else:
         w = _as_e4m3(bits)
-        part = (
-            tl.dot(xq, w, out_dtype=tl.float32)
-            * _group_scales(s_ptrs, gscale, nmask, IS_NVFP4)[None, :]
-        )
+        part = (tl.dot(xq, w, out_dtype=tl.float32) * 64.0) * _group_scales(
+            s_ptrs, gscale, nmask, IS_NVFP4
+        )[None, :]
     return part
 
 
