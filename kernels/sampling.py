@@ -143,6 +143,16 @@ def _uniform_kernel(seeds_ptr, positions_ptr, out_ptr, vocab_size, BLOCK: tl.con
     tl.store(out_ptr + row * vocab_size + ids, u, mask=ids < vocab_size)
 
 
+@jit
+def _uniform_at_kernel(seeds_ptr, positions_ptr, ids_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    seed = tl.load(seeds_ptr + i, mask=m, other=0)
+    position = tl.load(positions_ptr + i, mask=m, other=0)
+    ids = tl.load(ids_ptr + i, mask=m, other=0)
+    tl.store(out_ptr + i, _keyed_uniform(seed, position, ids), mask=m)
+
+
 def default_block_size(num_rows: int, vocab_size: int, device: torch.device) -> int:
     """Chunk length: enough programs to fill the device, from shapes only (graph-safe)."""
     want = -(-num_rows * vocab_size // (_PROGRAMS_PER_SM * device_parallelism(device)))
@@ -267,3 +277,36 @@ def keyed_uniform(
 @keyed_uniform.register_fake
 def _(seeds, positions, vocab_size):
     return seeds.new_empty(seeds.shape[0], vocab_size, dtype=torch.float32)
+
+
+_AT_BLOCK = 256
+
+
+@torch.library.custom_op("libkk::keyed_uniform_at", mutates_args=())
+def keyed_uniform_at(
+    seeds: torch.Tensor,  # [N] int64
+    positions: torch.Tensor,  # [N] int64 in [0, 2**32)
+    token_ids: torch.Tensor,  # [N] int64 in [0, 2**32)
+) -> torch.Tensor:
+    """The uniform u of each (seed, position, token id) triple.  # [N] fp32
+
+    Bit-identical to libkk.sample.gumbel.keyed_uniform_at: one launch where the torch hash runs
+    some forty elementwise ops (acceptance uniforms of every verification with sampled rows)."""
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        raise ValueError(
+            f"token_ids must be int64 [N], got {token_ids.dtype} {tuple(token_ids.shape)}"
+        )
+    _check_keys(seeds, positions, token_ids.shape[0])
+    check_device(seeds)
+    n = token_ids.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=seeds.device)
+    if n:
+        _uniform_at_kernel[(-(-n // _AT_BLOCK),)](
+            seeds, positions, token_ids, out, n, BLOCK=_AT_BLOCK, num_warps=4
+        )
+    return out
+
+
+@keyed_uniform_at.register_fake
+def _(seeds, positions, token_ids):
+    return seeds.new_empty(token_ids.shape[0], dtype=torch.float32)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from libkk.kernels.sampling import gumbel_argmax as fused_gumbel_argmax
+from libkk.kernels.sampling import keyed_uniform_at as fused_keyed_uniform_at
 
 # The draft stream adds this to positions so a draft never shares noise with the target at the
 # same position (positions stay far below it).
@@ -70,14 +71,18 @@ def _fmix32_(h: Tensor) -> Tensor:
     return h.bitwise_xor_(h >> 16)
 
 
-def _row_state(seeds: Tensor, positions: Tensor) -> Tensor:
-    """murmur3 state after the first three blocks (seed low, seed high, position). [R]"""
+def _check_keys(seeds: Tensor, positions: Tensor) -> None:
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
         raise TypeError(f"seeds and positions must be int64, got {seeds.dtype}, {positions.dtype}")
     if seeds.shape != positions.shape or seeds.dim() != 1:
         raise ValueError(
             f"seeds {tuple(seeds.shape)} and positions {tuple(positions.shape)} must both be [R]"
         )
+
+
+def _row_state(seeds: Tensor, positions: Tensor) -> Tensor:
+    """murmur3 state after the first three blocks (seed low, seed high, position). [R]"""
+    _check_keys(seeds, positions)
     # NOTE: `>>` on a negative int64 is arithmetic; masking after the shift gives the two's
     # complement high word, so both halves of a signed 64-bit seed are mixed.
     seed_lo = seeds & _M32
@@ -126,7 +131,8 @@ def keyed_uniform(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
 def keyed_uniform_at(seeds: Tensor, positions: Tensor, token_ids: Tensor) -> Tensor:
     """keyed_uniform(seeds, positions, V)[r, token_ids[r]] without the full rows.
 
-    token_ids: [R] or [R, K] int64; the result has the same shape (float32).
+    token_ids: [R] or [R, K] int64; the result has the same shape (float32). CUDA tensors go
+    through the fused kernel (libkk.kernels.sampling), others through the torch hash.
     """
     if (
         token_ids.dtype != torch.int64
@@ -137,6 +143,14 @@ def keyed_uniform_at(seeds: Tensor, positions: Tensor, token_ids: Tensor) -> Ten
             f"token_ids must be int64 of shape [{seeds.shape[0]}] or [{seeds.shape[0]}, K], "
             f"got {token_ids.dtype} {tuple(token_ids.shape)}"
         )
+    if token_ids.is_cuda:  # one fused launch
+        _check_keys(seeds, positions)
+        shape = token_ids.shape
+        if token_ids.dim() == 2:
+            seeds = seeds[:, None].expand(shape)
+            positions = positions[:, None].expand(shape)
+        flat = (seeds.reshape(-1), positions.reshape(-1), token_ids.reshape(-1))
+        return fused_keyed_uniform_at(*flat).view(shape)
     state = _row_state(seeds, positions)  # [R]
     return _finish(state if token_ids.dim() == 1 else state[:, None], token_ids)
 

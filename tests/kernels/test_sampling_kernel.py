@@ -12,7 +12,12 @@ import math
 import pytest
 import torch
 from libkk.kernels._jit import INTERPRETED
-from libkk.kernels.sampling import default_block_size, gumbel_argmax, keyed_uniform
+from libkk.kernels.sampling import (
+    default_block_size,
+    gumbel_argmax,
+    keyed_uniform,
+    keyed_uniform_at,
+)
 
 from libkk.sample import gumbel as reference
 
@@ -49,6 +54,25 @@ def test_uniforms_bit_identical(vocab: int):
     seeds, positions = keys(12, seed=vocab)
     got = keyed_uniform(seeds, positions, vocab)
     assert torch.equal(got, reference.keyed_uniform(seeds, positions, vocab))
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_uniforms_at_tokens_bit_identical(n: int):
+    """The fused per-triple uniforms equal the torch hash's, edge seeds and positions included,
+    token ids up to 2**32 - 1; through the sampling module's entry for [R, K] ids too."""
+    seeds, positions = keys(n, seed=n + 3)
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    ids[0] = 2**32 - 1
+    ids = ids.to(DEVICE)
+    want = reference.keyed_uniform_at(seeds.cpu(), positions.cpu(), ids.cpu())
+    assert torch.equal(keyed_uniform_at(seeds, positions, ids).cpu(), want)
+    grid = torch.randint(0, 50_000, (n, 5), generator=g, dtype=torch.int64).to(DEVICE)
+    want = reference.keyed_uniform_at(seeds.cpu(), positions.cpu(), grid.cpu())
+    assert torch.equal(reference.keyed_uniform_at(seeds, positions, grid).cpu(), want)
+    with pytest.raises(ValueError, match="token_ids"):
+        keyed_uniform_at(seeds, positions, ids.int())
+    torch.library.opcheck(torch.ops.libkk.keyed_uniform_at.default, (seeds, positions, ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
