@@ -79,14 +79,18 @@ def build_input_batch(
         len(sampling) + sum(num_spec),
     )
 
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        return host_to_device(torch.from_numpy(a), device)
-
+    # NOTE: one copy for all of them: a copy that is not asynchronous would wait for the device's
+    # queued work, which under async scheduling is the previous step.
+    slots, qsl, lens, table, ids, pos, rows = arrays_to_device(
+        [slot_mapping, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table,
+         input_ids, positions.astype(np.int64), logits_indices],
+        device,
+    )  # fmt: skip
     metadata = AttentionMetadata(
-        slot_mapping=to_dev(slot_mapping),
-        query_start_loc=to_dev(query_start_loc.astype(np.int32)),
-        seq_lens=to_dev(seq_lens.astype(np.int32)),
-        block_table=to_dev(block_table),
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_table=table,
         block_size=block_size,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
@@ -94,13 +98,11 @@ def build_input_batch(
         seq_lens_cpu=seq_lens.tolist(),
     )
     return InputBatch(
-        input_ids=to_dev(input_ids),
+        input_ids=ids,
         input_ids_cpu=input_ids,
-        positions=to_dev(positions.astype(np.int64)),
+        positions=pos,
         attn_metadata=metadata,
-        # NOTE: through to_dev: a blocking copy would wait for the device's queued work, which
-        # under async scheduling is the previous step.
-        logits_indices=to_dev(logits_indices),
+        logits_indices=rows,
         sampling_rows=[requests[i].sampling for i in sampling],
         sampling_request_ids=[requests[i].request_id for i in sampling],
         num_spec=num_spec,
@@ -116,3 +118,26 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def arrays_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays as device tensors (same dtypes and shapes) through one asynchronous copy.
+
+    On CUDA the arrays are packed into one pinned byte buffer (each at an 8-byte aligned offset),
+    copied once, and viewed back on the device: one copy launch per step instead of one per array.
+    """
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 8) * 8
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    packed = staging.numpy()
+    for a, at in zip(arrays, offsets, strict=True):
+        packed[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    on_device = staging.to(device, non_blocking=True)
+    return [
+        on_device[at : at + a.nbytes].view(torch.from_numpy(a).dtype).view(a.shape)
+        for a, at in zip(arrays, offsets, strict=True)
+    ]
