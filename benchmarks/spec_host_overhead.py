@@ -6,7 +6,9 @@ detokenizing, stop checks, outputs) is host work that the device waits for. This
 work on a tiny random Qwen3 (vocabulary 2048, so tensor ops on logits are cheap) with the model's
 forward and LM head timed and subtracted: host ms/step = step time - forward - logits. Times are
 this process's CPU time (time.process_time, torch on one thread), so other work on a shared
-machine does not inflate them as it does wall-clock time.
+machine does not inflate them as it does wall-clock time. `ops` counts the torch ops a step runs
+outside the forward and LM head: on the GPU each is a kernel launch (a few µs of host time) that
+the replayed graphs do not cover.
 
 Speculative steps use benchmarks/spec.py's synthetic case: K = 7 drafts from a free stand-in
 proposer (the anchor repeated), accepted at the per-position rate giving acceptance length 3.5.
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec import K, RepeatAnchor, rate_for_length  # noqa: E402
@@ -66,11 +69,28 @@ def write_tiny_qwen3(path: Path) -> Path:
     return path
 
 
-class ModelClock:
-    """Wraps the runner's forward and the model's LM head to add up the time spent in them."""
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops a step runs outside the model (each is a kernel launch on the GPU,
+    where the forward and LM head replay a captured graph); paused inside the model."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001 - libkk.engine.engine.Engine
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not self.paused:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class ModelClock:
+    """Wraps the runner's forward and the model's LM head to add up the time spent in them (and
+    pause the op counter there)."""
+
+    def __init__(self, engine, ops: OpCounter) -> None:  # noqa: ANN001 - libkk.engine.engine.Engine
         self.seconds = 0.0
+        self.ops = ops
         runner, model = engine.runner, engine.model
         runner.forward = self._timed(runner.forward)
         model.compute_logits = self._timed(model.compute_logits)
@@ -78,9 +98,11 @@ class ModelClock:
     def _timed(self, fn):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             start = _clock()
+            self.ops.paused += 1
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.ops.paused -= 1
                 self.seconds += _clock() - start
 
         return call
@@ -107,13 +129,16 @@ def decode_steps(engine, ids: list[list[int]], tokens: int, clock: ModelClock) -
     while engine.has_unfinished_requests:
         prefilling = any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values())
         model_before = clock.seconds
+        ops_before = clock.ops.count
         start = _clock()
-        outputs = engine.step()
+        with clock.ops:
+            outputs = engine.step()
         total = _clock() - start
         if not prefilling:
             emitted = sum(len(o.delta_token_ids) for o in outputs)
             model = clock.seconds - model_before
-            steps.append({"total": total, "host": total - model, "tokens": emitted})
+            steps.append({"total": total, "host": total - model, "tokens": emitted,
+                          "ops": clock.ops.count - ops_before})  # fmt: skip
     return steps
 
 
@@ -140,7 +165,7 @@ def run_case(
     ) as s:
         if stand_in:
             s.engine.proposer = RepeatAnchor()
-        clock = ModelClock(s.engine)
+        clock = ModelClock(s.engine, OpCounter())
         decode_steps(s.engine, ids, 8, clock)  # warm up
         per_repeat = []
         for _ in range(repeats):
@@ -150,6 +175,7 @@ def run_case(
                     "host_ms": statistics.median(x["host"] for x in steps) * 1e3,
                     "total_ms": statistics.median(x["total"] for x in steps) * 1e3,
                     "tokens_per_step": sum(x["tokens"] for x in steps) / len(steps),
+                    "ops_per_step": statistics.median(x["ops"] for x in steps),
                 }
             )
         profile = None
@@ -161,7 +187,7 @@ def run_case(
             profile = pstats.Stats(prof)
     row = {
         key: statistics.median(r[key] for r in per_repeat)
-        for key in ("host_ms", "total_ms", "tokens_per_step")
+        for key in ("host_ms", "total_ms", "tokens_per_step", "ops_per_step")
     }
     row["host_ms_spread"] = [
         min(r["host_ms"] for r in per_repeat),
@@ -204,12 +230,13 @@ def main() -> None:
                 profiles[f"{name}, batch {batch}"] = profile
             print(json.dumps(row), flush=True)
     print(f"\nhost ms per decode step (median of {args.repeats}; model forward + LM head excluded)")
-    print(f"{'batch':>6}  {'case':<7}{'host ms':>9}{'spread':>14}{'step ms':>9}{'tok/step':>10}")
+    print(f"{'batch':>6}  {'case':<7}{'host ms':>9}{'spread':>14}{'step ms':>9}{'tok/step':>10}"
+          f"{'ops':>6}")  # fmt: skip
     for r in rows:
         spread = f"{r['host_ms_spread'][0]:.2f}-{r['host_ms_spread'][1]:.2f}"
         print(
             f"{r['batch']:>6}  {r['case']:<7}{r['host_ms']:>9.2f}{spread:>14}"
-            f"{r['total_ms']:>9.2f}{r['tokens_per_step']:>10.2f}"
+            f"{r['total_ms']:>9.2f}{r['tokens_per_step']:>10.2f}{r['ops_per_step']:>6.0f}"
         )
     for name, profile in profiles.items():
         print(f"\n---- profile: {name} (one run, by own time; includes the model) ----")
