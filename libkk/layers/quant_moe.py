@@ -113,28 +113,26 @@ def prefill_only_step() -> Iterator[None]:
         _PREFILL_STEP.reset(token)
 
 
+def _fp8_hardware_unsupported(device: torch.device, what: str) -> str | None:
+    """Why `what` (kernels built on the hardware fp8 conversion) cannot run on `device`, or None."""
+    if device.type != "cuda":
+        return f"{what} need a CUDA GPU (the layer is on {device.type})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        return f"{what} need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    return None
+
+
 def fused_w4a16_unsupported(device: torch.device) -> str | None:
     """Why the fused W4A16 kernels cannot run on `device` (the layer then dequantizes and loops
     over experts in torch), or None when they can. They decode weights through the hardware fp8
     conversion; Triton's interpreter runs them on the CPU for tests."""
-    if INTERPRETED:
-        return None
-    if device.type != "cuda":
-        return f"the fused kernels need a CUDA GPU (the layer is on {device.type})"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < FP8_MIN_CAPABILITY:
-        return f"the fused kernels need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
-    return None
+    return None if INTERPRETED else _fp8_hardware_unsupported(device, "the fused kernels")
 
 
 def fp8_activations_unsupported(device: torch.device) -> str | None:
     """Why FP8-activation kernels cannot run on `device`, or None when they can."""
-    if device.type != "cuda":
-        return f"FP8 activations need a CUDA GPU (the layer is on {device.type})"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < FP8_MIN_CAPABILITY:
-        return f"FP8 activations need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
-    return None
+    return _fp8_hardware_unsupported(device, "FP8 activations")
 
 
 def map_expert_part_name(
