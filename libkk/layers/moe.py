@@ -161,14 +161,17 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden_size, num_experts, bias=False)
         # Tensor parallelism: each rank holds its slice of every expert's intermediate dim and
         # the partial outputs are summed (all-reduce in forward).
-        local = len(tp_split(intermediate_size, "moe_intermediate_size"))
+        part = tp_split(intermediate_size, "moe_intermediate_size")
         opts = current_moe_options()
         self.experts: nn.Module
-        if opts.weight_format is not None:  # packed 4-bit experts, fused kernels (CUDA, tp=1)
-            self.experts = QuantFusedMoE(num_experts, hidden_size, local, opts.weight_format, opts)
+        if opts.weight_format is not None:  # packed 4-bit experts, fused kernels (CUDA)
+            self.experts = QuantFusedMoE(
+                num_experts, hidden_size, len(part), opts.weight_format, opts,
+                full_intermediate_size=intermediate_size,
+            )  # fmt: skip
         else:
-            self.experts = FusedMoE(num_experts, hidden_size, local)
-            shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
+            self.experts = FusedMoE(num_experts, hidden_size, len(part))
+        shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from libkk.dist import get_tp_rank
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.csf import csf_expand, max_records_per_slab
@@ -169,7 +170,10 @@ class QuantFusedMoE(nn.Module):
         intermediate_size: int,
         weight_format: str,
         options: MoeOptions | None = None,
+        full_intermediate_size: int | None = None,
     ) -> None:
+        """intermediate_size: this rank's part of every expert's intermediate dimension (the
+        whole of it at one rank); full_intermediate_size: the whole (default: the same)."""
         super().__init__()
         if weight_format not in GROUP:
             raise UnsupportedModelError(
@@ -187,6 +191,7 @@ class QuantFusedMoE(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.full_intermediate_size = full_intermediate_size or intermediate_size
         self.weight_format = weight_format
         self.options = options or current_moe_options()
         e, h, i = num_experts, hidden_size, intermediate_size
@@ -263,8 +268,21 @@ class QuantFusedMoE(nn.Module):
         if is_w13:
             rows = self.intermediate_size
             target = target.narrow(0, part * rows, rows)
+        else:
+            per_column = 2 if param is self.w2_weight else GROUP[self.weight_format]
+            loaded = self._own_columns(loaded, per_column)
         check_shape(name, target.shape, loaded.shape)
         target.copy_(loaded)
+
+    def _own_columns(self, loaded: torch.Tensor, per_column: int) -> torch.Tensor:
+        """This rank's columns of a down-projection part that arrived whole (`per_column`
+        intermediate elements a column: 2 for packed bytes, the block size for scales). Under
+        tensor parallelism the reader cannot cut a CSF blob along its columns; the layer cuts
+        it once decoded."""
+        full, local = self.full_intermediate_size, self.intermediate_size
+        if full == local or loaded.shape[-1] != full // per_column:
+            return loaded
+        return loaded.narrow(-1, get_tp_rank() * local // per_column, local // per_column)
 
     # -- running ------------------------------------------------------------------------------
 

@@ -25,7 +25,12 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.dist import get_tp_size
-from libkk.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from libkk.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 from libkk.layers.quant_moe import MoeOptions, finalize_moe_layers, moe_options
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
@@ -81,12 +86,17 @@ def load_model(
     # Tensor parallelism: each rank reads only its part of each tensor (libkk.models.sharded_read).
     reader = None
     if get_tp_size() > 1:
-        presplit = moe_weight_format is None and quantization is None
-        reader = ShardedReader(
-            model.weight_slices,
-            quant,
-            presplit=presplit and not config.fp8_block_weights,
-        )
+        # Whole tensors for the streams that need them: FP8 blocks, and experts quantized on load
+        # to be dequantized. Packed experts quantized on load quantize this rank's part.
+        fp8_blocks = quantization is not None or config.fp8_block_weights
+        packed = moe.weight_format is not None
+        if packed and quant is None and fp8_blocks:
+            raise ConfigError(
+                "experts quantized on load cannot be split across tensor-parallel ranks together "
+                "with FP8 block weights: quantize the checkpoint first (`libkk quantize`)"
+            )
+        presplit = not fp8_blocks and (moe_weight_format is None or packed)
+        reader = ShardedReader(model.weight_slices, quant, presplit, packed_experts=packed)
 
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
@@ -214,13 +224,15 @@ def _moe_options(
     csf_prefetch: bool,
     prefill_activations: str | None,
 ) -> MoeOptions:
-    """4-bit experts stay packed (fused kernels) on CUDA with one rank; elsewhere they are
-    dequantized on load and run the plain torch path."""
-    from libkk.dist import get_tp_size
-
+    """4-bit experts stay packed (fused kernels) on CUDA; elsewhere they are dequantized on
+    load and run the plain torch path. CSF prefetch needs one rank: a rank's down-projection
+    scales are cut from decoded blobs."""
     quant = _read_quant_config(model_dir)
     fmt = str(quant["quant_algo"]).lower() if quant is not None else moe_weight_format
-    packed = fmt is not None and torch.device(device).type == "cuda" and get_tp_size() == 1
+    packed = fmt is not None and torch.device(device).type == "cuda"
+    if packed and csf_prefetch and get_tp_size() > 1:
+        logger.info("csf_prefetch: ignored at tensor_parallel_size > 1")
+        csf_prefetch = False
     return MoeOptions(fmt if packed else None, csf_prefetch, prefill_activations)
 
 

@@ -11,6 +11,10 @@ ranges with safetensors' `get_slice`, so the bytes of other ranks' rows are neve
   (rows not divisible by tp * 16 are rejected);
 - what cannot be cut before decoding (a column split of CSF scales, FP8 block weights,
   quantization on load) is read whole and cut after, by `slice_rest`: same weights, more bytes.
+
+Experts kept packed (`packed_experts`: the fused 4-bit kernels at any rank count) take their parts
+as read: a column split cuts the packed weight and plain scales on read, and a CSF blob cut along
+its columns arrives whole, for the layer to decode and cut (`QuantFusedMoE`).
 """
 
 from __future__ import annotations
@@ -52,24 +56,27 @@ class ShardedReader:
         slices_of: Callable[[str], Slices | None],
         quant: dict | None,
         presplit: bool = True,
+        packed_experts: bool = False,
     ) -> None:
         self.slices_of = slices_of
         self.algo = str(quant.get("quant_algo", "")).lower() if quant else None
         self.csf = bool(quant.get("csf")) if quant else False
         # False when a later stream needs whole tensors (quantization on load, FP8 blocks).
         self.presplit = presplit
+        self.packed_experts = packed_experts
         self.cut_names: set[str] = set()  # logical weight names already read as this rank's part
 
     def read(self, f: Any, name: str) -> torch.Tensor:
         """Reads `name` from an open safetensors file (`safe_open`): this rank's part of it."""
-        if not self.presplit:
-            return f.get_tensor(name)
         logical, part = name, None
         if self.algo is not None:
             for suffix in _QUANT_PARTS:
                 if name.endswith("." + suffix):
                     logical, part = name[: -len(suffix)] + "weight", suffix
                     break
+        # Packed experts' parts are cut on read even when other streams need whole tensors.
+        if not self.presplit and not (self.packed_experts and part is not None):
+            return f.get_tensor(name)
         slices = self.slices_of(logical)
         if slices is None:
             return f.get_tensor(name)
@@ -77,7 +84,7 @@ class ShardedReader:
         if part is None or (part == "weight" and view.get_dtype() != "U8"):
             self.cut_names.add(logical)
             return _read_ranges(view, slices)
-        if part in ("weight_scale_2", "input_scale") or not self._can_cut(slices):
+        if part in ("weight_scale_2", "input_scale") or not self._can_cut(slices, part):
             return f.get_tensor(name)  # per-tensor scalars, or cut after decoding
         self.cut_names.add(logical)
         if part == "weight_scale_csf":
@@ -87,21 +94,34 @@ class ShardedReader:
         per = 2 if part == "weight" else _GROUP[self.algo]  # type: ignore[index]
         return _read_ranges(view, [(d, a // per, b // per) for d, a, b in slices])
 
-    def _can_cut(self, slices: Slices) -> bool:
-        """Whether every part of a 4-bit weight can be read cut: a row split always (CSF by whole
-        slabs), a column split on scale-block boundaries of uncompressed scales."""
+    def _can_cut(self, slices: Slices, part: str) -> bool:
+        """Whether a part of a 4-bit weight can be read cut: a row split always (CSF by whole
+        slabs); a column split on scale-block boundaries, except a CSF blob's, and except any
+        part of a CSF weight that a stream decodes (its parts must arrive alike)."""
         if slices[0][0] == 0:
             return True
         group = _GROUP[self.algo]  # type: ignore[index]
-        return not self.csf and all(a % group == 0 and b % group == 0 for _, a, b in slices)
+        aligned = all(a % group == 0 and b % group == 0 for _, a, b in slices)
+        if self.packed_experts:
+            return aligned and part != "weight_scale_csf"
+        return aligned and not self.csf
 
     def slice_rest(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Cuts the weights that were read whole (decoded or quantized by a stream since)."""
+        """Cuts the weights that were read whole (decoded or quantized by a stream since); packed
+        expert parts pass as they are (cut on read, or by their layer)."""
         for name, tensor in tensors:
+            if self.packed_experts and _is_expert_part(name):
+                yield name, tensor
+                continue
             slices = None if name in self.cut_names else self.slices_of(name)
             yield name, tensor if slices is None else cut(tensor, slices).contiguous()
+
+
+def _is_expert_part(name: str) -> bool:
+    """A part of a per-expert 4-bit weight (`...experts.<e>.<proj>.<part>`)."""
+    return ".experts." in name and name.rpartition(".")[2] in _QUANT_PARTS
 
 
 def csf_split_message(what: str, rows: int, size: int) -> str:

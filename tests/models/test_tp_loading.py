@@ -240,3 +240,67 @@ def test_mixtral_experts_split_on_the_intermediate_dim(tmp_path_factory):
         for name in experts:
             assert torch.equal(mine[name], _expert_part(full, name, rank, 3)), (name, rank)
         assert not [n for n in rec.whole if "experts" in n]
+
+
+def _packed_part(full: dict[str, torch.Tensor], name: str, rank: int, size: int, group: int):
+    """Rank `rank`'s part of a one-rank packed expert parameter: gate/up rows, down columns."""
+    w = full[name]
+    if ".w13_" in name and w.dim() == 3:  # [E, 2I, ...]: this rank's rows of gate and of up
+        gate, up = w.chunk(2, dim=1)
+        return torch.cat([gate.chunk(size, dim=1)[rank], up.chunk(size, dim=1)[rank]], dim=1)
+    if ".w2_weight" in name and w.dim() == 3:  # [E, H, I/2] bytes or [E, H, I/G] scales
+        return w.chunk(size, dim=2)[rank]
+    return w  # global and input scales: per tensor, every rank
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nvfp4-csf", "mxfp4-csf"])
+def test_packed_experts_split_on_the_intermediate_dim(tmp_path_factory, monkeypatch, fmt):
+    """Experts kept packed at tensor_parallel_size > 1: each rank holds its rows of gate/up and
+    its columns of down, weights and scales alike (a CSF blob cut along its columns is decoded
+    and cut by the layer), equal to the one-rank packed layer's slices."""
+    from libkk.layers.quant_moe import MoeOptions
+
+    src = _moe_dir(tmp_path_factory, 96)
+    dst = tmp_path_factory.mktemp(f"packed-{fmt}") / "q"
+    quantize_checkpoint(src, dst, fmt, progress=False)
+    algo = fmt.removesuffix("-csf")
+    monkeypatch.setattr(loader_mod, "_moe_options", lambda *a: MoeOptions(algo, False, None))
+    full = _load(dst, 0, 1)
+    assert full["model.layers.0.mlp.experts.w2_weight"].dtype == torch.uint8  # packed
+    group = 16 if algo == "nvfp4" else 32
+    for rank in range(3):
+        rec = _Recorder()
+        mine = _load(dst, rank, 3, rec)
+        experts = [n for n in mine if ".experts." in n]
+        assert mine.keys() == full.keys() and experts
+        for name in experts:
+            assert torch.equal(mine[name], _packed_part(full, name, rank, 3, group)), (name, rank)
+        # Packed weights are read by slice; only scalars and column-cut CSF blobs come whole.
+        whole = [n for n in rec.whole if ".experts." in n]
+        assert all(n.endswith(("weight_scale_2", "input_scale", "down_proj.weight_scale_csf"))
+                   for n in whole), whole  # fmt: skip
+
+
+def test_packed_experts_quantized_on_load_hold_their_part(tmp_path_factory, monkeypatch):
+    """On-load quantization at tensor_parallel_size > 1 quantizes each rank's part of the bf16
+    experts: the packed layer holds local shapes whose values approximate that part."""
+    from libkk.layers.quant_moe import MoeOptions
+    from libkk.quant.formats import dequantize_nvfp4
+
+    src = _moe_dir(tmp_path_factory, 96)
+    bf16 = _load(src, 0, 1)  # the plain layer
+    monkeypatch.setattr(loader_mod, "_moe_options", lambda *a: MoeOptions("nvfp4", False, None))
+    for rank in range(3):
+        with as_rank(rank, 3):
+            model, _ = load_model(
+                src, torch.float32, CPU, progress=False, moe_weight_format="nvfp4"
+            )
+        experts = model.model.layers[0].mlp.experts
+        assert experts.w13_weight.shape == (4, 64, 32) and experts.w2_weight.shape == (4, 64, 16)
+        down = dequantize_nvfp4(
+            experts.w2_weight[1],
+            experts.w2_weight_scale[1].view(torch.float8_e4m3fn),
+            experts.w2_weight_scale_2[1, 0],
+        )
+        want = bf16["model.layers.0.mlp.experts.w2_weight"][1].chunk(3, dim=1)[rank]
+        assert (down - want).abs().max() <= 0.25 * want.abs().max()
