@@ -22,6 +22,7 @@ vocab shards (the full-vocab case gathers whole rows for both).
     python benchmarks/tp.py [--tp 1 2] [--shapes qwen3-8b qwen3-30b-a3b] [--budget-s 540]
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting --draft-temperature 1
+    python benchmarks/tp.py --shapes qwen3-30b-a3b --experts nvfp4 --tp 1 2
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ def _shape_name(shape: str, moe_layers: int) -> str:
     name = f"{shape}-{moe_layers}l"
     decode.SHAPES[name] = {**decode.SHAPES[shape], "num_hidden_layers": moe_layers}
     return name
+
+
+def _folder(name: str, experts: str) -> str:
+    """The checkpoint folder of a shape: MoE shapes with 4-bit experts get their own."""
+    return (
+        name
+        if experts == "bf16" or "num_experts" not in decode.SHAPES[name]
+        else f"{name}-{experts}"
+    )
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -129,6 +139,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--moe-layers", type=int, default=8, help="layers of the 30B-A3B shape")
+    ap.add_argument("--experts", choices=["bf16", "nvfp4", "mxfp4"], default="bf16",
+                    help="MoE shapes: experts written pre-quantized (kept packed at every TP)")  # fmt: skip
     ap.add_argument("--compile", action="store_true", help="torch.compile (slow cold start)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after")
     ap.add_argument("--case-timeout-s", type=float, default=300.0)
@@ -163,16 +175,18 @@ def main() -> None:
     for shape in args.shapes:
         name = _shape_name(shape, args.moe_layers)
         start = time.monotonic()
-        decode.write_checkpoint(name, Path(args.dir) / name, "cuda" if gpus else "cpu")
+        folder = _folder(name, args.experts)
+        decode.write_checkpoint(name, Path(args.dir) / folder, "cuda" if gpus else "cpu",
+                                args.experts if folder != name else "bf16")  # fmt: skip
         if args.drafting:
-            _write_drafter(name, Path(args.dir))
-        print(f"{name}: checkpoint ready in {time.monotonic() - start:.0f} s", flush=True)
+            _write_drafter(name, Path(args.dir) / f"{folder}-dflash")
+        print(f"{folder}: checkpoint ready in {time.monotonic() - start:.0f} s", flush=True)
         for tp in args.tp:
             draftings = ["none"]
             if args.drafting:
                 draftings = ["full-vocab"] + (["vocab-parallel"] if tp > 1 else [])
             for drafting in draftings:
-                case = {"shape": name, "tp": tp, "drafting": drafting}
+                case = {"shape": folder, "tp": tp, "drafting": drafting}
                 left = args.budget_s - (time.monotonic() - t0)
                 if gpus and tp > gpus:  # (no GPU at all: a CPU trial run, gloo workers)
                     case["error"] = f"needs {tp} GPUs, {gpus} visible"
@@ -180,19 +194,18 @@ def main() -> None:
                     case["error"] = "not run: time budget spent"
                 else:
                     timeout = min(args.case_timeout_s, left)
-                    case |= _run_subprocess(args, name, tp, drafting, timeout)
+                    case |= _run_subprocess(args, folder, tp, drafting, timeout)
                 report["cases"].append(case)
                 out.write_text(json.dumps(report, indent=2))
                 print(json.dumps(case), flush=True)
     _print_table(report)
 
 
-def _write_drafter(shape: str, folder: Path) -> None:
-    """A random one-layer DFlash drafter for `shape` (K = 7), beside its checkpoint."""
+def _write_drafter(shape: str, path: Path) -> None:
+    """A random one-layer DFlash drafter for `shape` (K = 7) at `path`, beside its checkpoint."""
     from libkk.spec.dflash import DFlashConfig, default_target_layer_ids, save_drafter
     from libkk.spec.train import init_drafter
 
-    path = folder / f"{shape}-dflash"
     if path.exists():
         return
     cfg = {**decode.COMMON, **decode.SHAPES[shape]}
