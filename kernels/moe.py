@@ -952,13 +952,13 @@ def _check_tiles(
 # --------------------------------------------------------------------------------------------------
 # Pair-major decode path (tile config block_m = 1)
 #
-# With a few tokens, each (token, expert) pair is its own matrix-vector product: the gate_up grid
-# runs over (pair, N tile) reading the pair's expert id straight from topk_ids, and the down grid
-# runs over (token, N tile), looping over the token's top_k experts and summing them in the
-# kernel. No alignment, no top-k sum kernel, no tensor cores: two launches per layer where the
-# sorted path needs four, and each weight costs a multiply-add instead of a tensor-core operand
-# round trip through shared memory. Pairs that share an expert read its weights once each, so the
-# sorted path wins once tokens share experts often; the tile tuner measures both per bucket.
+# With a few tokens, each (token, expert) pair is its own matrix-vector product: both grids run
+# over (pair, N tile), reading the pair's expert id straight from topk_ids. No alignment, no
+# tensor cores: each weight costs a multiply-add instead of a tensor-core operand round trip
+# through shared memory. (A down kernel summing a token's experts itself would save the top-k
+# sum's launch but give each program top_k times the serial weight stream; one token's layer
+# would then run on H / BLOCK_N programs.) Pairs that share an expert read its weights once
+# each, so the sorted path wins once tokens share experts often; the tile tuner measures both.
 # The weight tile is [BN, BK/2] bytes with K contiguous (rows of the checkpoint's layout), each
 # scale group's partial sum is taken in fp32 and multiplied by its scale once.
 
@@ -1069,7 +1069,7 @@ def _down_gemv_kernel(
     g_ptr,
     ids_ptr,
     rw_ptr,  # [num_pairs] fp32 routing weights
-    out_ptr,  # [num_tokens, N]
+    out_ptr,  # [num_pairs, N]: each pair's output times its routing weight
     stride_at,
     stride_we,
     stride_wn,
@@ -1078,7 +1078,6 @@ def _down_gemv_kernel(
     stride_ot,
     N: tl.constexpr,  # hidden size
     K: tl.constexpr,  # intermediate size
-    TOP_K: tl.constexpr,
     GROUP: tl.constexpr,
     IS_NVFP4: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1086,32 +1085,27 @@ def _down_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     DT: tl.constexpr = a_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_base = w_ptr + expert * stride_we
-        s_base = s_ptr + expert * stride_se
-        gscale = 1.0
-        if IS_NVFP4:
-            gscale = tl.load(g_ptr + expert)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ae, ao, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
-                a_ptr + pair * stride_at, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K,
-                GROUP, BLOCK_K, EVEN_K,
-            )  # fmt: skip
-            acc += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, ae, ao, gscale, IS_NVFP4, GROUP,
-                                USE_PTX)  # fmt: skip
-        # The sorted path's roundings: the expert's output, then times its routing weight, in DT;
-        # the top-k sum in fp32, rounded once.
-        y = acc.to(DT).to(tl.float32) * tl.load(rw_ptr + pair)
-        total += y.to(DT).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + n, total.to(DT), mask=nmask)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    gscale = 1.0
+    if IS_NVFP4:
+        gscale = tl.load(g_ptr + expert)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ae, ao, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
+            a_ptr + pair * stride_at, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K,
+            GROUP, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        acc += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, ae, ao, gscale, IS_NVFP4, GROUP,
+                            USE_PTX)  # fmt: skip
+    # The sorted path's roundings: the expert's output, then times its routing weight, in DT.
+    y = acc.to(DT).to(tl.float32) * tl.load(rw_ptr + pair)
+    tl.store(out_ptr + pair * stride_ot + n, y.to(DT), mask=nmask)
 
 
 def _fused_moe_w4a16_pairs(
@@ -1140,25 +1134,25 @@ def _fused_moe_w4a16_pairs(
             f"{tuple(topk_weights.shape)}"
         )
     check_device(x)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
-        return out
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     ids = topk_ids.contiguous().view(-1)
     a = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    common = dict(TOP_K=top_k, GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
+    y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    common = dict(GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps))  # fmt: skip
     _gate_up_gemv_kernel[(num_tokens * top_k, -(-inter // cfg.block_n))](
         x, w13, w13_scale, w13_global, ids, a,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        a.stride(0), N=inter, K=hidden, EVEN_K=hidden % cfg.block_k == 0, **common,
+        a.stride(0), N=inter, K=hidden, TOP_K=top_k, EVEN_K=hidden % cfg.block_k == 0, **common,
     )  # fmt: skip
-    _down_gemv_kernel[(num_tokens, -(-hidden // cfg.block_n))](
-        a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), out,
+    _down_gemv_kernel[(num_tokens * top_k, -(-hidden // cfg.block_n))](
+        a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), y,
         a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        out.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
+        y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
     )  # fmt: skip
-    return out
+    return y.view(num_tokens, top_k, -1).sum(dim=1)  # as the sorted path: fp32 sum, one rounding
 
 
 def fused_moe_w4a16(
