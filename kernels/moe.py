@@ -17,7 +17,12 @@ Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captur
 uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),
 MXFP4 (G=32) E8M0 (2^(b-127), 0xFF NaN) with no global scale. The kernel forms each weight exactly
 as the torch dequantizer does (e2m1 * (scale * global) in fp32, rounded once to the activation
-dtype), so it multiplies the same bf16 weights the dequantized reference path holds.
+dtype), so it multiplies the same bf16 weights the dequantized reference path holds. It decodes
+through the hardware fp8 conversion (compute capability >= 8.9): a nibble's bits moved into an
+e4m3 byte are its value times 2^-6, and the 2^6 rides on the scale.
+
+A tile config with block_m = PAIR_MAJOR replaces steps 2-4 with one matrix-vector product per pair
+(see the pair-major section).
 
 Because the packed bytes hold even and odd K elements in the two nibbles, the kernels split the
 activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
