@@ -1,6 +1,6 @@
 """Measured tile choices for the fused MoE kernels, kept in the artifact cache's autotune store.
 
-kernels/moe.py runs a static tile table unless a choice is installed for a layer shape (format,
+kernels/moe/ runs a static tile table unless a choice is installed for a layer shape (format,
 activation kind, experts, hidden, intermediate, top_k) and token bucket (a power of two). Before
 the runner captures graphs, so that the graphs record the chosen tiles, `tune_moe_tiles`:
 
@@ -95,7 +95,7 @@ def tuning_buckets(max_tokens: int) -> list[int]:
 
 
 def static_config(activations: str, num_tokens: int) -> TileConfig:
-    """What kernels/moe.py runs with nothing installed."""
+    """What kernels/moe/ runs with nothing installed."""
     return default_tile_config(num_tokens) if activations == "w4a16" else W4A8_PREFILL_CONFIG
 
 

@@ -20,7 +20,7 @@ The forward never reads a count on the host, so a packed layer can be captured i
 
 Row types. Decode and verification rows always run W4A16 (bf16/fp16 activations: exact against
 the dequantized weights). With `prefill_activations="fp8"`, calibrated input scales and a CUDA
-GPU of compute capability >= 8.9, prefill rows run W4A8 (kernels/moe.py: FP8 e4m3 activations,
+GPU of compute capability >= 8.9, prefill rows run W4A8 (kernels/moe/w4a8.py: FP8 e4m3 activations,
 one per-tensor scale per projection). The layer cannot tell a prefill row from a verification row
 by itself (both are requests with several query rows), so the caller declares it: a forward run
 inside `prefill_only_step()` has only prefill rows. Mixed steps are not split: they run W4A16.

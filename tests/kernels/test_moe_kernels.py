@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from libkk.kernels import moe as M
 from libkk.kernels._jit import INTERPRETED
+from libkk.kernels.moe import dequant
 
 from libkk.quant.formats import (
     dequantize_mxfp4,
@@ -92,7 +93,7 @@ def _dequant_all_kernel(w_ptr, s_ptr, g_ptr, even_ptr, odd_ptr, N: tl.constexpr,
     w_ptrs = w_ptr + r[:, None] + 0 * c[None, :]
     s_ptrs = s_ptr + c[None, :] + 0 * g[:, None]
     mask = c[None, :] < N
-    even, odd = M._w4_tile(w_ptrs, s_ptrs, tl.load(g_ptr), mask, mask, tl.float32, IS_NVFP4,
+    even, odd = dequant._w4_tile(w_ptrs, s_ptrs, tl.load(g_ptr), mask, mask, tl.float32, IS_NVFP4,
                            GROUP, USE_PTX)  # fmt: skip
     tl.store(even_ptr + r[:, None] * N + c[None, :], even)
     tl.store(odd_ptr + r[:, None] * N + c[None, :], odd)

@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 from libkk.kernels import moe as M
 from libkk.kernels._jit import INTERPRETED, jit
+from libkk.kernels.moe import dequant, w4a8
 from torch import nn
 
 import libkk.layers.quant_moe as Q
@@ -119,7 +120,7 @@ def test_fp32_to_e4m3_rounding_matches_torch():
     @jit
     def convert(v_ptr, o_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(o_ptr + i, M._fp32_to_e4m3_bits(tl.load(v_ptr + i)).to(tl.uint8))
+        tl.store(o_ptr + i, w4a8._fp32_to_e4m3_bits(tl.load(v_ptr + i)).to(tl.uint8))
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     codes = codes[torch.isfinite(codes)]
@@ -142,7 +143,7 @@ def test_e2m1_codes_expand_to_e4m3_values_times_2_pow_minus_6():
     @jit
     def expand(o_ptr):
         c = tl.arange(0, 16)
-        tl.store(o_ptr + c, M._e2m1_e4m3_bits(c).to(tl.uint8))
+        tl.store(o_ptr + c, dequant._e2m1_e4m3_bits(c).to(tl.uint8))
 
     out = torch.empty(16, dtype=torch.uint8, device=DEVICE)
     expand[(1,)](out)

@@ -21,6 +21,7 @@ from libkk.graphs.moe_tiles import (
     tuning_buckets,
 )
 from libkk.kernels import moe as M
+from libkk.kernels.moe import w4a8, w4a16
 from torch import nn
 
 from libkk.layers.moe import SparseMoeBlock
@@ -93,7 +94,7 @@ def test_install_rejects_bad_input(shape, bucket, config):
 
 
 class _KernelSpy:
-    """Replaces the align and GEMM ops of kernels/moe.py: records each call's tiles, fills the
+    """Replaces the align and GEMM ops of kernels/moe/: records each call's tiles, fills the
     outputs with zeros (no kernels run on the CPU)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,11 +114,13 @@ class _KernelSpy:
 
             return op
 
-        monkeypatch.setattr(M, "moe_align_block_size", align)
-        monkeypatch.setattr(M, "moe_w4a16_gate_up", gemm("w4a16_gate_up", 7))
-        monkeypatch.setattr(M, "moe_w4a16_down", gemm("w4a16_down", 8))
-        monkeypatch.setattr(M, "moe_w4a8_gate_up", gemm("w4a8_gate_up", 9))
-        monkeypatch.setattr(M, "moe_w4a8_down", gemm("w4a8_down", 9))
+        # Patched where the fused ops look them up: their defining modules.
+        for module in (w4a16, w4a8):
+            monkeypatch.setattr(module, "moe_align_block_size", align)
+        monkeypatch.setattr(w4a16, "moe_w4a16_gate_up", gemm("w4a16_gate_up", 7))
+        monkeypatch.setattr(w4a16, "moe_w4a16_down", gemm("w4a16_down", 8))
+        monkeypatch.setattr(w4a8, "moe_w4a8_gate_up", gemm("w4a8_gate_up", 9))
+        monkeypatch.setattr(w4a8, "moe_w4a8_down", gemm("w4a8_down", 9))
 
     def take(self) -> list[tuple]:
         tiles, self.tiles = self.tiles, []

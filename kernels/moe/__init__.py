@@ -1,0 +1,126 @@
+"""Quantized mixture-of-experts ops: routing, expert alignment and fused W4A16 expert GEMMs, plus
+W4A8 variants (FP8 e4m3 activations) for prefill rows; see the W4A8 section below.
+
+Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captured in a CUDA graph):
+
+1. `moe_topk_routing`: top-k over softmax or sigmoid router probabilities, optionally renormalized
+   (Qwen3-MoE: softmax + renorm when `norm_topk_prob`; Mixtral: softmax + renorm).
+2. `moe_align_block_size`: the (token, expert) pairs, pair p = token * top_k + k, sorted by expert
+   and each expert's run padded to a multiple of the M tile. Padding slots hold the sentinel
+   `num_pairs`; blocks past the padded total have expert -1. Sizes are the static worst case.
+3. `moe_w4a16_gate_up`: per M block (one expert), x[token] @ w13[expert]^T with the 4-bit weights
+   dequantized in the kernel, then SiLU(gate) * up -> intermediate [num_pairs, I].
+4. `moe_w4a16_down`: intermediate[pair] @ w2[expert]^T times the pair's routing weight -> [num_pairs,
+   hidden]; `fused_moe_w4a16` then sums each token's top_k rows.
+
+4-bit weights: uint8 [E, N, K/2], two E2M1 codes per byte, element 2i in the low nibble. Scales:
+uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),
+MXFP4 (G=32) E8M0 (2^(b-127), 0xFF NaN) with no global scale. The kernel forms each weight exactly
+as the torch dequantizer does (e2m1 * (scale * global) in fp32, rounded once to the activation
+dtype), so it multiplies the same bf16 weights the dequantized reference path holds. It decodes
+through the hardware fp8 conversion (compute capability >= 8.9): a nibble's bits moved into an
+e4m3 byte are its value times 2^-6, and the 2^6 rides on the scale.
+
+A tile config with block_m = PAIR_MAJOR replaces steps 2-4 with one matrix-vector product per pair
+(see the pair-major section).
+
+Because the packed bytes hold even and odd K elements in the two nibbles, the kernels split the
+activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
+
+Tile configs: a static table (decode <= 64 tokens: 16-row M tiles, the weight stream dominates;
+prefill: 64-row tiles), unless a higher layer installed measured choices for the layer's shape
+(`install_tile_choice`; graphs/moe_tiles.py times candidates on the GPU and keeps them in the
+artifact cache, which kernels/ cannot import). Triton's own autotune is not used.
+"""
+
+from .common import (
+    DECODE_CONFIG,
+    FORMATS,
+    GROUP,
+    PAIR_MAJOR,
+    PREFILL_CONFIG,
+    W4A8_PREFILL_CONFIG,
+    MoeKernelError,
+    MoeTileConfig,
+    W4A8TileConfig,
+    default_tile_config,
+)
+from .routing import (
+    ALIGN_SINGLE_MAX_PAIRS,
+    max_padded_pairs,
+    moe_align_block_size,
+    moe_align_block_size_ref,
+    moe_topk_routing,
+    moe_topk_routing_ref,
+)
+from .tiles import (
+    ACTIVATIONS,
+    MoeShape,
+    TileConfig,
+    check_tile_config,
+    clear_tile_choices,
+    install_tile_choice,
+    installed_tile_choices,
+    tile_choice,
+    token_bucket,
+)
+from .w4a8 import (
+    FP8_MAX,
+    fused_moe_w4a8,
+    fused_moe_w4a8_ref,
+    moe_w4a8_down,
+    moe_w4a8_gate_up,
+    quantize_fp8_per_tensor,
+)
+from .w4a16 import (
+    dequantize_w4_ref,
+    fused_moe_w4a16,
+    fused_moe_w4a16_measured,
+    fused_moe_w4a16_ref,
+    moe_w4a16_down,
+    moe_w4a16_down_ref,
+    moe_w4a16_gate_up,
+    moe_w4a16_gate_up_ref,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "ALIGN_SINGLE_MAX_PAIRS",
+    "DECODE_CONFIG",
+    "FORMATS",
+    "FP8_MAX",
+    "GROUP",
+    "PAIR_MAJOR",
+    "PREFILL_CONFIG",
+    "W4A8_PREFILL_CONFIG",
+    "MoeKernelError",
+    "MoeShape",
+    "MoeTileConfig",
+    "TileConfig",
+    "W4A8TileConfig",
+    "check_tile_config",
+    "clear_tile_choices",
+    "default_tile_config",
+    "dequantize_w4_ref",
+    "fused_moe_w4a8",
+    "fused_moe_w4a8_ref",
+    "fused_moe_w4a16",
+    "fused_moe_w4a16_measured",
+    "fused_moe_w4a16_ref",
+    "install_tile_choice",
+    "installed_tile_choices",
+    "max_padded_pairs",
+    "moe_align_block_size",
+    "moe_align_block_size_ref",
+    "moe_topk_routing",
+    "moe_topk_routing_ref",
+    "moe_w4a8_down",
+    "moe_w4a8_gate_up",
+    "moe_w4a16_down",
+    "moe_w4a16_down_ref",
+    "moe_w4a16_gate_up",
+    "moe_w4a16_gate_up_ref",
+    "quantize_fp8_per_tensor",
+    "tile_choice",
+    "token_bucket",
+]

@@ -1,0 +1,107 @@
+"""Shared pieces of the MoE kernels: formats, the error type, tile configs and input checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from libkk.errors import LibkkError
+
+FORMATS = ("nvfp4", "mxfp4")
+GROUP = {"nvfp4": 16, "mxfp4": 32}
+SCORING = ("softmax", "sigmoid")
+_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MoeKernelError(LibkkError, ValueError):
+    """An input of a MoE op has the wrong shape, dtype or value."""
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # K elements per step (block_k / 2 packed bytes); a multiple of 32
+    num_warps: int
+    num_stages: int
+
+
+# Decode: few rows per expert, so a 16-row tile (tl.dot's minimum) wastes the least, and narrow N
+# tiles spread the few touched experts' weight stream over many SMs (batch 1 at the Qwen3-30B
+# shape: 8 experts x 768 / 32 = 192 gate_up programs, 512 down programs); no split-K, as N alone
+# already gives more programs than SMs there. Prefill: tiles big enough to reuse each dequantized
+# weight tile across many rows.
+DECODE_CONFIG = MoeTileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+PREFILL_CONFIG = MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+DECODE_MAX_TOKENS = 64
+# block_m of a W4A16 tile config that selects the pair-major decode path (no M tiles; see there).
+PAIR_MAJOR = 1
+
+
+def default_tile_config(num_tokens: int) -> MoeTileConfig:
+    return DECODE_CONFIG if num_tokens <= DECODE_MAX_TOKENS else PREFILL_CONFIG
+
+
+def _err(msg: str) -> MoeKernelError:
+    return MoeKernelError(msg)
+
+
+@dataclass(frozen=True)
+class W4A8TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+W4A8_PREFILL_CONFIG = W4A8TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
+
+
+def _check_w4(
+    name: str,
+    weight: torch.Tensor,  # [E, N, K/2] uint8
+    scale: torch.Tensor,  # [E, N, K/G] uint8
+    global_scale: torch.Tensor,  # [E, parts] fp32
+    fmt: str,
+    k: int,
+    n: int,
+    parts: int,
+) -> None:
+    if fmt not in FORMATS:
+        raise _err(f"weight format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
+    if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[1:] != (n, k // 2):
+        raise _err(
+            f"{name} must be uint8 [E, {n}, {k // 2}] (two E2M1 per byte), got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    e = weight.shape[0]
+    g = GROUP[fmt]
+    if k % g:
+        raise _err(f"{name}: K = {k} must be a multiple of the {fmt} block size {g}")
+    if scale.dtype != torch.uint8 or tuple(scale.shape) != (e, n, k // g):
+        raise _err(
+            f"{name} scales must be uint8 [{e}, {n}, {k // g}] (scale bytes), got "
+            f"{scale.dtype} {tuple(scale.shape)}"
+        )
+    if global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (e, parts):
+        raise _err(
+            f"{name} global scales must be fp32 [{e}, {parts}], got {global_scale.dtype} "
+            f"{tuple(global_scale.shape)}"
+        )
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise _err(f"{name} weights and scales must be contiguous in their last dim")
+
+
+def _check_rows(x: torch.Tensor, name: str, width: int) -> None:
+    if x.dim() != 2 or x.shape[1] != width or x.dtype not in _ACT_DTYPES:
+        raise _err(
+            f"{name} must be float32/float16/bfloat16 [rows, {width}], got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if x.stride(-1) != 1:
+        raise _err(f"{name} must be contiguous in its last dim")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,215 @@
+"""The pair-major decode path of the W4A16 experts (tile config block_m = PAIR_MAJOR)."""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from .._jit import check_device, jit
+from .common import GROUP, MoeTileConfig, _check_rows, _check_w4, _err
+from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_value
+
+# --------------------------------------------------------------------------------------------------
+# Pair-major decode path (tile config block_m = 1)
+#
+# With a few tokens, each (token, expert) pair is its own matrix-vector product: both grids run
+# over (pair, N tile), reading the pair's expert id straight from topk_ids. No alignment, no
+# tensor cores: each weight costs a multiply-add instead of a tensor-core operand round trip
+# through shared memory. (A down kernel summing a token's experts itself would save the top-k
+# sum's launch but give each program top_k times the serial weight stream; one token's layer
+# would then run on H / BLOCK_N programs.) Pairs that share an expert read its weights once
+# each, so the sorted path wins once tokens share experts often; the tile tuner measures both.
+# The weight tile is [BN, BK/2] bytes with K contiguous (rows of the checkpoint's layout), each
+# scale group's partial sum is taken in fp32 and multiplied by its scale once.
+
+
+@jit
+def _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, xe, xo, gscale, IS_NVFP4: tl.constexpr,
+                 GROUP: tl.constexpr, USE_PTX: tl.constexpr):  # fmt: skip
+    """[BN] fp32: each row of a [BN, BK/2] packed weight tile (scales [BN, BK/G]) dotted with the
+    step's even and odd activations xe, xo [BK/2] (fp32)."""
+    packed = tl.load(w_ptrs, mask=wmask, other=0)
+    sbyte = tl.load(s_ptrs, mask=smask, other=0)
+    if USE_PTX:
+        lo, hi = _e2m1_pairs_as_f16(packed)
+    else:
+        lo = _e2m1_as_e4m3(packed)
+        hi = _e2m1_as_e4m3(packed >> 4)
+    prod = lo.to(tl.float32) * xe[None, :] + hi.to(tl.float32) * xo[None, :]  # values * 2^-6
+    BN: tl.constexpr = prod.shape[0]
+    NG: tl.constexpr = sbyte.shape[1]
+    per_group = tl.sum(tl.reshape(prod, [BN, NG, GROUP // 2]), axis=2) * 64.0  # [BN, BK/G]
+    if IS_NVFP4:
+        step = sbyte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * gscale
+    else:
+        step = _scale_value(sbyte.to(tl.int32), IS_NVFP4)
+    return tl.sum(per_group * step, axis=1)
+
+
+@jit
+def _gemv_step(x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of a pair-major product: the activations' even and odd elements [BK/2] (fp32),
+    pointers to the packed bytes [BN, BK/2] and scale bytes [BN, BK/G], and their masks."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+    xe, xo = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
+    j = tl.arange(0, BLOCK_K // 2)
+    g = tl.arange(0, BLOCK_K // GROUP)
+    w_ptrs = w_base + n[:, None] * stride_wn + (k0 // 2 + j)[None, :]
+    s_ptrs = s_base + n[:, None] * stride_sn + (k0 // GROUP + g)[None, :]
+    if EVEN_K:
+        wmask = nmask[:, None]
+        smask = nmask[:, None]
+    else:
+        wmask = nmask[:, None] & ((k0 + 2 * j) < K)[None, :]
+        smask = nmask[:, None] & ((k0 + g * GROUP) < K)[None, :]
+    return xe, xo, w_ptrs, s_ptrs, wmask, smask
+
+
+@jit
+def _gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    ids_ptr,  # [num_pairs] expert of each (token, k) pair: topk_ids flattened
+    out_ptr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # intermediate size I (w13 has 2N rows: gate then up)
+    K: tl.constexpr,  # hidden size
+    TOP_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    x_row = x_ptr + (pair // TOP_K) * stride_xt
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    g_gate = 1.0
+    g_up = 1.0
+    if IS_NVFP4:
+        g_gate = tl.load(g_ptr + expert * 2)
+        g_up = tl.load(g_ptr + expert * 2 + 1)
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xe, xo, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
+            x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
+        acc_g += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, xe, xo, g_gate, IS_NVFP4, GROUP,
+                              USE_PTX)  # fmt: skip
+        acc_u += _w4_row_dots(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, wmask, smask, xe,
+                              xo, g_up, IS_NVFP4, GROUP, USE_PTX)  # fmt: skip
+    # Round each projection to the activation dtype first, as the unfused linear would.
+    gate = acc_g.to(DT).to(tl.float32)
+    up = acc_u.to(DT).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+    tl.store(out_ptr + pair * stride_ot + n, (act * up).to(DT), mask=nmask)
+
+
+@jit
+def _down_gemv_kernel(
+    a_ptr,  # [num_pairs, K] from the gate_up kernel
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    ids_ptr,
+    rw_ptr,  # [num_pairs] fp32 routing weights
+    out_ptr,  # [num_pairs, N]: each pair's output times its routing weight
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # hidden size
+    K: tl.constexpr,  # intermediate size
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    DT: tl.constexpr = a_ptr.dtype.element_ty
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    gscale = 1.0
+    if IS_NVFP4:
+        gscale = tl.load(g_ptr + expert)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ae, ao, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
+            a_ptr + pair * stride_at, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K,
+            GROUP, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        acc += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, ae, ao, gscale, IS_NVFP4, GROUP,
+                            USE_PTX)  # fmt: skip
+    # The sorted path's roundings: the expert's output, then times its routing weight, in DT.
+    y = acc.to(DT).to(tl.float32) * tl.load(rw_ptr + pair)
+    tl.store(out_ptr + pair * stride_ot + n, y.to(DT), mask=nmask)
+
+
+def _fused_moe_w4a16_pairs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: str,
+    cfg: MoeTileConfig,
+) -> torch.Tensor:
+    """fused_moe_w4a16 on the pair-major path (cfg.block_m == 1)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = x.shape[-1]
+    inter = w13.shape[1] // 2
+    _check_rows(x, "x", hidden)
+    _check_w4("w13", w13, w13_scale, w13_global, fmt, hidden, 2 * inter, 2)
+    _check_w4("w2", w2, w2_scale, w2_global, fmt, inter, hidden, 1)
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise _err(
+            f"topk_weights must be fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
+            f"{tuple(topk_weights.shape)}"
+        )
+    check_device(x)
+    if num_tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+    ids = topk_ids.contiguous().view(-1)
+    a = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    common = dict(GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps))  # fmt: skip
+    _gate_up_gemv_kernel[(num_tokens * top_k, -(-inter // cfg.block_n))](
+        x, w13, w13_scale, w13_global, ids, a,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        a.stride(0), N=inter, K=hidden, TOP_K=top_k, EVEN_K=hidden % cfg.block_k == 0, **common,
+    )  # fmt: skip
+    _down_gemv_kernel[(num_tokens * top_k, -(-hidden // cfg.block_n))](
+        a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), y,
+        a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
+    )  # fmt: skip
+    return y.view(num_tokens, top_k, -1).sum(dim=1)  # as the sorted path: fp32 sum, one rounding

@@ -1,0 +1,488 @@
+"""The sorted W4A16 expert GEMMs (bf16/fp16/fp32 activations against 4-bit weights), the fused
+layer op and their torch references."""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from .._jit import check_device, jit
+from .common import (
+    GROUP,
+    PAIR_MAJOR,
+    MoeTileConfig,
+    _check_rows,
+    _check_w4,
+    _err,
+    _precision,
+    default_tile_config,
+)
+from .dequant import _ptx_decode, _w4_tile
+from .pairs import _fused_moe_w4a16_pairs
+from .routing import _check_tiles, _tile_pairs, moe_align_block_size
+from .tiles import MoeShape, has_tile_choices, tile_choice
+
+# --------------------------------------------------------------------------------------------------
+# Fused expert GEMMs
+
+
+@jit
+def _w4_step(w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of a W4 tile: its even elements kk [BK/2] and their mask, pointers to its packed
+    bytes [BK/2, BN], pointers to its scale bytes [BK/G, BN], and the masks of both tiles.
+
+    Byte offsets as k0/2 + j (not kk/2) let the compiler see each thread's bytes contiguous, and
+    with EVEN_K (BLOCK_K divides K) the weight mask varies along N only: the packed bytes then
+    load as wide vectors along K."""
+    j = tl.arange(0, BLOCK_K // 2)
+    g = tl.arange(0, BLOCK_K // GROUP)
+    kk = k0 + 2 * j
+    kmask = kk < K
+    w_ptrs = w_base + n[None, :] * stride_wn + (k0 // 2 + j)[:, None]
+    s_ptrs = s_base + n[None, :] * stride_sn + (k0 // GROUP + g)[:, None]
+    if EVEN_K:
+        wmask = nmask[None, :]
+        smask = nmask[None, :]
+    else:
+        wmask = kmask[:, None] & nmask[None, :]
+        smask = ((k0 + g * GROUP) < K)[:, None] & nmask[None, :]
+    return kk, kmask, w_ptrs, s_ptrs, wmask, smask
+
+
+@jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_pairs,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # intermediate size I (w13 has 2N rows: gate then up)
+    K: tl.constexpr,  # hidden size
+    TOP_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
+    USE_PTX: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    token = (pair // TOP_K).to(tl.int64)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    g_gate = 1.0
+    g_up = 1.0
+    if IS_NVFP4:
+        g_gate = tl.load(g_ptr + expert * 2)
+        g_up = tl.load(g_ptr + expert * 2 + 1)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk, kmask, wg_ptrs, sg_ptrs, wmask, smask = _w4_step(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
+        amask = valid[:, None] & kmask[None, :]
+        x_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :]
+        xe = tl.load(x_ptrs, mask=amask, other=0.0)
+        xo = tl.load(x_ptrs + 1, mask=amask, other=0.0)
+        ge, go = _w4_tile(wg_ptrs, sg_ptrs, g_gate, wmask, smask, DT, IS_NVFP4, GROUP, USE_PTX)
+        ue, uo = _w4_tile(wg_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, g_up, wmask, smask,
+                          DT, IS_NVFP4, GROUP, USE_PTX)  # fmt: skip
+        acc_g = tl.dot(xe, ge, acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(xo, go, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(xe, ue, acc_u, input_precision=PRECISION)
+        acc_u = tl.dot(xo, uo, acc_u, input_precision=PRECISION)
+    # Round each projection to the activation dtype first, as the unfused linear would.
+    gate = acc_g.to(DT).to(tl.float32)
+    up = acc_u.to(DT).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+    h = (act * up).to(DT)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + n[None, :]
+    tl.store(out_ptrs, h, mask=valid[:, None] & nmask[None, :])
+
+
+@jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    rw_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_pairs,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    N: tl.constexpr,  # hidden size
+    K: tl.constexpr,  # intermediate size
+    GROUP: tl.constexpr,
+    IS_NVFP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
+    USE_PTX: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert, pair, valid, n, nmask = _tile_pairs(
+        sorted_ptr, expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    DT: tl.constexpr = a_ptr.dtype.element_ty
+    pair64 = pair.to(tl.int64)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    gscale = 1.0
+    if IS_NVFP4:
+        gscale = tl.load(g_ptr + expert)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk, kmask, w_ptrs, s_ptrs, wmask, smask = _w4_step(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
+        amask = valid[:, None] & kmask[None, :]
+        a_ptrs = a_ptr + pair64[:, None] * stride_at + kk[None, :]
+        ae = tl.load(a_ptrs, mask=amask, other=0.0)
+        ao = tl.load(a_ptrs + 1, mask=amask, other=0.0)
+        we, wo = _w4_tile(w_ptrs, s_ptrs, gscale, wmask, smask, DT, IS_NVFP4, GROUP, USE_PTX)
+        acc = tl.dot(ae, we, acc, input_precision=PRECISION)
+        acc = tl.dot(ao, wo, acc, input_precision=PRECISION)
+    rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
+    y = (acc.to(DT).to(tl.float32) * rw[:, None]).to(DT)
+    out_ptrs = out_ptr + pair64[:, None] * stride_ot + n[None, :]
+    tl.store(out_ptrs, y, mask=valid[:, None] & nmask[None, :])
+
+
+@torch.library.custom_op("libkk::moe_w4a16_gate_up", mutates_args=("out",))
+def moe_w4a16_gate_up(
+    x: torch.Tensor,  # [num_tokens, K]
+    w13: torch.Tensor,  # [E, 2I, K/2] uint8
+    w13_scale: torch.Tensor,  # [E, 2I, K/G] uint8
+    w13_global: torch.Tensor,  # [E, 2] fp32 (gate, up); ignored for MXFP4
+    sorted_ids: torch.Tensor,  # [P] int32 from moe_align_block_size
+    expert_ids: torch.Tensor,  # [P / block_m] int32
+    num_post_pad: torch.Tensor,  # [1] int32
+    out: torch.Tensor,  # [num_tokens * top_k, I], x's dtype; every pair row is written
+    top_k: int,
+    fmt: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """out[pair] = SiLU(x[token] @ gate^T) * (x[token] @ up^T) with the pair's expert's weights."""
+    k = x.shape[-1]
+    inter = w13.shape[1] // 2
+    _check_rows(x, "x", k)
+    _check_w4("w13", w13, w13_scale, w13_global, fmt, k, 2 * inter, 2)
+    _check_rows(out, "out", inter)
+    if out.dtype != x.dtype or out.shape[0] != x.shape[0] * top_k:
+        raise _err(f"out must be {x.dtype} [{x.shape[0] * top_k}, {inter}], got {out.shape}")
+    _check_tiles(sorted_ids, expert_ids, block_m, block_k)
+    check_device(x)
+    if out.shape[0] == 0:
+        return
+    grid = (expert_ids.shape[0], -(-inter // block_n))
+    _gate_up_kernel[grid](
+        x,
+        w13,
+        w13_scale,
+        w13_global,
+        out,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        out.shape[0],
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        out.stride(0),
+        N=inter,
+        K=k,
+        TOP_K=top_k,
+        GROUP=GROUP[fmt],
+        IS_NVFP4=fmt == "nvfp4",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        USE_PTX=_ptx_decode(block_n, block_k, num_warps),
+        PRECISION=_precision(x.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@moe_w4a16_gate_up.register_fake
+def _(x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out, *args) -> None:
+    return None
+
+
+@torch.library.custom_op("libkk::moe_w4a16_down", mutates_args=("out",))
+def moe_w4a16_down(
+    a: torch.Tensor,  # [num_pairs, I] from moe_w4a16_gate_up
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/G] uint8
+    w2_global: torch.Tensor,  # [E, 1] fp32; ignored for MXFP4
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    sorted_ids: torch.Tensor,  # [P] int32
+    expert_ids: torch.Tensor,  # [P / block_m] int32
+    num_post_pad: torch.Tensor,  # [1] int32
+    out: torch.Tensor,  # [num_pairs, H], a's dtype; every pair row is written
+    fmt: str,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """out[pair] = (a[pair] @ w2[expert]^T) * topk_weights.flat[pair]."""
+    k = a.shape[-1]
+    hidden = w2.shape[1]
+    _check_rows(a, "a", k)
+    _check_w4("w2", w2, w2_scale, w2_global, fmt, k, hidden, 1)
+    _check_rows(out, "out", hidden)
+    if out.dtype != a.dtype or out.shape[0] != a.shape[0]:
+        raise _err(f"out must be {a.dtype} [{a.shape[0]}, {hidden}], got {out.shape}")
+    if topk_weights.dtype != torch.float32 or topk_weights.numel() != a.shape[0]:
+        raise _err(
+            f"topk_weights must be fp32 with {a.shape[0]} elements, got {topk_weights.dtype} "
+            f"{tuple(topk_weights.shape)}"
+        )
+    _check_tiles(sorted_ids, expert_ids, block_m, block_k)
+    check_device(a)
+    if out.shape[0] == 0:
+        return
+    grid = (expert_ids.shape[0], -(-hidden // block_n))
+    _down_kernel[grid](
+        a,
+        w2,
+        w2_scale,
+        w2_global,
+        topk_weights.contiguous(),
+        out,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        a.shape[0],
+        a.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
+        out.stride(0),
+        N=hidden,
+        K=k,
+        GROUP=GROUP[fmt],
+        IS_NVFP4=fmt == "nvfp4",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        USE_PTX=_ptx_decode(block_n, block_k, num_warps),
+        PRECISION=_precision(a.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@moe_w4a16_down.register_fake
+def _(a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out, *args):
+    return None
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor,  # [num_tokens, H]
+    w13: torch.Tensor,  # [E, 2I, H/2] uint8
+    w13_scale: torch.Tensor,  # [E, 2I, H/G] uint8
+    w13_global: torch.Tensor,  # [E, 2] fp32
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/G] uint8
+    w2_global: torch.Tensor,  # [E, 1] fp32
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
+    fmt: str,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, H]
+    """The whole expert computation of one layer on 4-bit weights; no host synchronisation."""
+    num_tokens, top_k = topk_ids.shape
+    if config is None:
+        shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
+        if has_tile_choices(shape):
+            if torch.compiler.is_compiling():
+                # The measured choice depends on the token count: picked at run time inside an
+                # opaque op, so the trace is not specialised (and recompiled) per token bucket.
+                return fused_moe_w4a16_measured(
+                    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
+                    topk_ids, fmt,
+                )  # fmt: skip
+            config = tile_choice(shape, num_tokens)
+    cfg = config or default_tile_config(num_tokens)
+    if cfg.block_m == PAIR_MAJOR:
+        return _fused_moe_w4a16_pairs(
+            x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
+            cfg,
+        )  # fmt: skip
+    tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)
+    inter = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    moe_w4a16_gate_up(
+        x, w13, w13_scale, w13_global, sorted_ids, expert_ids, npad, inter, top_k, fmt, *tiles
+    )
+    y = torch.empty(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+    moe_w4a16_down(
+        inter, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, npad, y, fmt, *tiles
+    )
+    return y.view(num_tokens, top_k, -1).sum(dim=1)  # torch accumulates the sum in fp32
+
+
+@torch.library.custom_op("libkk::fused_moe_w4a16_measured", mutates_args=())
+def fused_moe_w4a16_measured(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: str,
+) -> torch.Tensor:
+    """`fused_moe_w4a16` with the installed tile choice for this call's token count, as one op
+    that torch.compile does not look into."""
+    return fused_moe_w4a16(
+        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt
+    )
+
+
+@fused_moe_w4a16_measured.register_fake
+def _(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt):
+    return x.new_empty(x.shape[0], w2.shape[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch references
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_w4_ref(
+    weight: torch.Tensor,  # [E, N, K/2] uint8
+    scale: torch.Tensor,  # [E, N, K/G] uint8
+    global_scale: torch.Tensor,  # [E, parts] fp32; row block p of N/parts rows uses column p
+    fmt: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [E, N, K]
+    """Stacked 4-bit weights -> dtype, with the same fp32 steps as libkk.quant.formats."""
+    e, n, half = weight.shape
+    g = GROUP[fmt]
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=weight.device)
+    codes = torch.stack((weight & 15, weight >> 4), dim=-1).reshape(e, n, 2 * half)
+    values = table[codes.long()].reshape(e, n, 2 * half // g, g)
+    if fmt == "nvfp4":
+        parts = global_scale.shape[1]
+        glob = global_scale.repeat_interleave(n // parts, dim=1)  # [E, N]
+        step = scale.view(torch.float8_e4m3fn).float() * glob[..., None]
+    else:
+        exps = scale.to(torch.int32) - 127
+        step = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps)
+        step = torch.where(scale == 255, torch.full_like(step, float("nan")), step)
+    return (values * step[..., None]).reshape(e, n, 2 * half).to(dtype)
+
+
+def _expert_of_pairs(
+    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int, block_m: int
+) -> torch.Tensor:  # [num_pairs] int64 (-1 for a pair not listed)
+    sid = sorted_ids.long().cpu()
+    slot_expert = expert_ids.long().cpu().repeat_interleave(block_m)
+    keep = sid < num_pairs
+    expert = torch.full((num_pairs,), -1, dtype=torch.int64)
+    expert[sid[keep]] = slot_expert[keep]
+    return expert
+
+
+def moe_w4a16_gate_up_ref(
+    x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out,
+    top_k, fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+) -> None:  # fmt: skip
+    """Torch reference of `moe_w4a16_gate_up` on the dequantized weights."""
+    num_pairs = out.shape[0]
+    inter = w13.shape[1] // 2
+    expert = _expert_of_pairs(sorted_ids, expert_ids, num_pairs, block_m)
+    for e in expert.unique().tolist():
+        if e < 0:
+            continue
+        pairs = torch.nonzero(expert == e).flatten().to(x.device)
+        w = dequantize_w4_ref(w13[e : e + 1], w13_scale[e : e + 1], w13_global[e : e + 1], fmt,
+                              x.dtype)[0]  # fmt: skip
+        h = torch.nn.functional.linear(x[pairs // top_k], w)  # [count, 2I]
+        gate, up = h[:, :inter], h[:, inter:]
+        out[pairs] = torch.nn.functional.silu(gate) * up
+
+
+def moe_w4a16_down_ref(
+    a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out,
+    fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+) -> None:  # fmt: skip
+    """Torch reference of `moe_w4a16_down` on the dequantized weights."""
+    num_pairs = out.shape[0]
+    expert = _expert_of_pairs(sorted_ids, expert_ids, num_pairs, block_m)
+    rw = topk_weights.reshape(-1)
+    for e in expert.unique().tolist():
+        if e < 0:
+            continue
+        pairs = torch.nonzero(expert == e).flatten().to(a.device)
+        w = dequantize_w4_ref(w2[e : e + 1], w2_scale[e : e + 1], w2_global[e : e + 1], fmt,
+                              a.dtype)[0]  # fmt: skip
+        y = torch.nn.functional.linear(a[pairs], w)
+        out[pairs] = (y.float() * rw[pairs, None]).to(out.dtype)
+
+
+def fused_moe_w4a16_ref(
+    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Torch reference of `fused_moe_w4a16`: dequantize, then the plain per-expert MLP loop."""
+    num_tokens, top_k = topk_ids.shape
+    w13_d = dequantize_w4_ref(w13, w13_scale, w13_global, fmt, x.dtype)
+    w2_d = dequantize_w4_ref(w2, w2_scale, w2_global, fmt, x.dtype)
+    inter = w13.shape[1] // 2
+    y = torch.zeros(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    rw = topk_weights.reshape(-1)
+    for e in flat.unique().tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        h = torch.nn.functional.linear(x[pairs // top_k], w13_d[e])
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        yy = torch.nn.functional.linear(act, w2_d[e])
+        y[pairs] = (yy.float() * rw[pairs, None]).to(x.dtype)
+    return y.view(num_tokens, top_k, -1).sum(dim=1)
