@@ -196,43 +196,17 @@ def test_a_graph_session_closes_and_the_next_one_starts(tiny_qwen3_dir):
     assert outputs[0] == outputs[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_nvfp4_moe_dir(tmp_path_factory):
-    """A 2-layer random Qwen3-MoE (8 heads, 16 experts, intermediate 128) quantized to NVFP4."""
-    import json
-
-    from tokenizers import Tokenizer, models
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from libkk.models.quantize import quantize_checkpoint
-
-    path = tmp_path_factory.mktemp("tiny-moe-tp")
-    config = Qwen3MoeConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024,
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(path / "bf")
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "bf" / "tokenizer.json"))
-    (path / "bf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    quantize_checkpoint(path / "bf", path / "q", "nvfp4", progress=False)
-    return path / "q"
-
-
-def test_packed_moe_at_tp2_greedy_equals_tp1(tiny_nvfp4_moe_dir):
+def test_packed_moe_at_tp2_greedy_equals_tp1(tiny_moe_dirs):
     """NVFP4 experts stay packed at TP=2 (each rank its half of every expert's intermediate
     dimension, the fused kernels, FULL graphs) and give TP=1's greedy tokens."""
     from libkk.layers.quant_moe import QuantFusedMoE
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (3, 17, 60)]
-    reference = _generate(tiny_nvfp4_moe_dir, prompts, 1, "FULL_DECODE_ONLY", False)
+    reference = _generate(tiny_moe_dirs["nvfp4"], prompts, 1, "FULL_DECODE_ONLY", False)
     from libkk import SamplingParams, Session
 
-    session = Session(str(tiny_nvfp4_moe_dir), device="cuda", dtype="float32",
+    session = Session(str(tiny_moe_dirs["nvfp4"]), device="cuda", dtype="float32",
                       tensor_parallel_size=2, max_num_seqs=8, max_model_len=512,
                       cudagraph_mode="FULL_DECODE_ONLY", torch_compile=False, progress=False,
                       worker_timeout_s=120.0)  # fmt: skip
