@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from c_host import HERE, Programs, host_env, run
 
-WORKER = "from libkk.engine.executor import worker_entry"
+WORKER = "from libkk.engine.tp_worker import worker_entry"
 
 
 @pytest.fixture(scope="module")
