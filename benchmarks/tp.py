@@ -203,7 +203,7 @@ def main() -> None:
 
 def _write_drafter(shape: str, path: Path) -> None:
     """A random one-layer DFlash drafter for `shape` (K = 7) at `path`, beside its checkpoint."""
-    from libkk.spec.dflash import DFlashConfig, default_target_layer_ids, save_drafter
+    from libkk.spec.dflash_model import DFlashConfig, default_target_layer_ids, save_drafter
     from libkk.spec.train import init_drafter
 
     if path.exists():

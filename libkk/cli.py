@@ -325,7 +325,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         with open(args.prompts, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
     if args.measure is not None:  # only measure an existing drafter on held-out prompts
-        from libkk.spec.dflash import DFlashProposer, load_drafter
+        from libkk.spec.dflash import DFlashProposer
+        from libkk.spec.dflash_model import load_drafter
         from libkk.spec.train import builtin_prompts, chat_prompt_ids, measure_acceptance
 
         drafter = load_drafter(args.measure, device, dtype, quantization=args.quantization)

@@ -41,10 +41,10 @@ from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
 from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import (
+from libkk.spec.dflash import DFlashProposer
+from libkk.spec.dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
-    DFlashProposer,
     default_target_layer_ids,
     dense_block_attention,
     find_embedding,

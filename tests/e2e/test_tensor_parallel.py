@@ -218,7 +218,7 @@ def test_cli_tensor_parallel_size(tiny_llama_dir):
 def qwen3_drafter_dir(tmp_path_factory) -> Path:
     """A random DFlash drafter for the tiny Qwen3 (hidden 48, vocab 250): 4 heads, 2 KV heads,
     so it splits at tp=2."""
-    from libkk.spec.dflash import DFlashConfig, save_drafter
+    from libkk.spec.dflash_model import DFlashConfig, save_drafter
     from libkk.spec.train import init_drafter
 
     config = DFlashConfig(

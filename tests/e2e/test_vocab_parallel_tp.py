@@ -61,7 +61,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory) -> Path:
     """A random DFlash drafter for it: 6 heads and 6 KV heads (splits at 2 and 3), K = 4."""
-    from libkk.spec.dflash import DFlashConfig, save_drafter
+    from libkk.spec.dflash_model import DFlashConfig, save_drafter
     from libkk.spec.train import init_drafter
 
     config = DFlashConfig(

@@ -12,7 +12,8 @@ from libkk.models.llama import LlamaForCausalLM
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
 from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import DFlashConfig, DFlashProposer, dense_draft_hidden
+from libkk.spec.dflash import DFlashProposer
+from libkk.spec.dflash_model import DFlashConfig, dense_draft_hidden
 from libkk.spec.train import DrafterTrainer, Sample, TrainOptions, init_drafter, train_loop
 
 pytestmark = pytest.mark.gpu

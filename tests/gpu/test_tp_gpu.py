@@ -114,7 +114,7 @@ def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir, mode):
 
 def _random_drafter(path):
     """A random DFlash drafter for the tiny Qwen3 target, saved at `path`."""
-    from libkk.spec.dflash import DFlashConfig, save_drafter
+    from libkk.spec.dflash_model import DFlashConfig, save_drafter
     from libkk.spec.train import init_drafter
 
     config = DFlashConfig(

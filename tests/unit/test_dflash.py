@@ -19,10 +19,10 @@ from libkk.quant.formats import dequantize_fp8_block, quantize_fp8_block
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
 from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import (
+from libkk.spec.dflash import DFlashProposer
+from libkk.spec.dflash_model import (
     SHIPPED_DRAFTER,
     DFlashConfig,
-    DFlashProposer,
     default_target_layer_ids,
     load_drafter,
     read_drafter_config,
@@ -198,7 +198,7 @@ def test_paged_block_forward_matches_dense_non_causal_reference(target) -> None:
 
 
 def _causal_logits(drafter, target, ctx_hidden, anchor_token, anchor_pos):
-    from libkk.spec.dflash import dense_block_attention
+    from libkk.spec.dflash_model import dense_block_attention
 
     cfg = drafter.config
     n_ctx, rows = ctx_hidden.shape[0], cfg.block_size

@@ -10,7 +10,7 @@ import torch
 from libkk.dist import as_rank
 from libkk.errors import ConfigError
 from libkk.layers.linear import linear
-from libkk.spec.dflash import DFlashConfig, load_drafter, save_drafter
+from libkk.spec.dflash_model import DFlashConfig, load_drafter, save_drafter
 from libkk.spec.train import init_drafter
 
 CONFIG = DFlashConfig(
