@@ -327,7 +327,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.measure is not None:  # only measure an existing drafter on held-out prompts
         from libkk.spec.dflash import DFlashProposer
         from libkk.spec.dflash_model import load_drafter
-        from libkk.spec.train import builtin_prompts, chat_prompt_ids, measure_acceptance
+        from libkk.spec.train_target import builtin_prompts, chat_prompt_ids, measure_acceptance
 
         drafter = load_drafter(args.measure, device, dtype, quantization=args.quantization)
         proposer = DFlashProposer.from_drafter(drafter, target)

@@ -10,11 +10,9 @@
    Many blocks of several sequences run as one dense masked-attention batch.
 4. AdamW; the drafter is written in the DFlash checkpoint layout (`save_drafter`).
 
-`measure_acceptance` runs greedy speculative decoding with a `DFlashProposer` against the target
-and reports the acceptance length (accepted drafts + 1 per verification step).
-
-The target runs here on a private paged KV cache (`TargetRunner`), so this module needs only the
-target model; the CLI loads it and its tokenizer.
+The target's side (running it, its continuations and hidden states, the built-in prompts,
+`measure_acceptance`) is libkk/spec/train_target.py; it runs the target on a private paged KV
+cache, so distillation needs only the target model. The CLI loads it and its tokenizer.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +34,6 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.errors import ConfigError
-from libkk.layers.forward_context import AttentionMetadata, set_forward_context
-from libkk.sample.gumbel import gumbel_argmax
-from libkk.sample.params import SamplingParams
-from libkk.sample.sampler import SamplingRow
-from libkk.spec.base import ProposeRequest
 from libkk.spec.dflash import DFlashProposer
 from libkk.spec.dflash_model import (
     DFlashConfig,
@@ -50,6 +43,16 @@ from libkk.spec.dflash_model import (
     find_embedding,
     load_drafter,
     save_drafter,
+)
+from libkk.spec.train_target import (
+    AcceptanceReport,
+    TargetRunner,
+    builtin_prompts,
+    chat_prompt_ids,
+    decoder_layers,
+    generate,
+    measure_acceptance,
+    target_hidden_states,
 )
 
 
@@ -88,195 +91,6 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"train-drafter: block_size must be >= 2, got {self.block_size}")
         if self.temperature < 0:
             raise ConfigError(f"train-drafter: temperature must be >= 0, got {self.temperature}")
-
-
-# -- running the target -----------------------------------------------------------------------
-
-
-@dataclass
-class Sequence_:
-    token_ids: list[int]
-    num_cached: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-
-def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(target, "model", None), "layers", None)
-    if layers is None:
-        raise ConfigError(f"target model {type(target).__name__} has no model.layers")
-    return layers
-
-
-class TargetRunner:
-    """The target on a private paged KV cache, with the chosen layers' hidden states recorded.
-
-    Use as a context manager: it binds its caches to the target's attention layers and restores
-    whatever was bound before on exit.
-    """
-
-    def __init__(
-        self,
-        target: nn.Module,
-        layer_ids: Sequence[int],
-        num_blocks: int = 512,
-        block_size: int = 16,
-    ) -> None:
-        self.target = target
-        self.layer_ids = tuple(layer_ids)
-        self.block_size = block_size
-        param = next(target.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.caches = [
-            torch.zeros(
-                (2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for a in target.attention_layers()
-        ]
-        self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
-        self._recorded: dict[int, torch.Tensor] = {}
-
-    def __enter__(self) -> TargetRunner:
-        attns = self.target.attention_layers()
-        self._previous = [a.kv_cache for a in attns]
-        for a, cache in zip(attns, self.caches, strict=True):
-            a.kv_cache = cache
-        layers = decoder_layers(self.target)
-
-        def hook(index: int) -> Callable[..., None]:
-            def record(module: nn.Module, args: Any, output: Any) -> None:
-                hidden, residual = output  # the residual stream is carried separately
-                self._recorded[index] = hidden + residual
-
-            return record
-
-        self._hooks = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._hooks:
-            h.remove()
-        for a, cache in zip(self.target.attention_layers(), self._previous, strict=True):
-            a.kv_cache = cache
-
-    def release(self, seq: Sequence_) -> None:
-        self.free.extend(seq.blocks)
-        seq.blocks = []
-
-    @torch.no_grad()
-    def step(self, seqs: list[Sequence_]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Runs every sequence's uncached tokens as one flat batch; marks them cached.
-
-        Returns (final hidden [T, H], chosen layers' hidden [T, len(ids) * H], query starts).
-        """
-        ids, pos, slots, starts, seq_lens = [], [], [], [0], []
-        for s in seqs:
-            needed = -(-len(s.token_ids) // self.block_size)
-            while len(s.blocks) < needed:
-                if not self.free:
-                    raise RuntimeError("TargetRunner ran out of KV blocks; raise num_blocks")
-                s.blocks.append(self.free.pop())
-            for p in range(s.num_cached, len(s.token_ids)):
-                ids.append(s.token_ids[p])
-                pos.append(p)
-                slots.append(s.blocks[p // self.block_size] * self.block_size + p % self.block_size)
-            starts.append(len(ids))
-            seq_lens.append(len(s.token_ids))
-        width = max(len(s.blocks) for s in seqs)
-        dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(
-                [s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
-                dtype=torch.int32,
-                device=dev,
-            ),
-            block_size=self.block_size,
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-        )
-        self._recorded.clear()
-        with set_forward_context(metadata):
-            hidden = self.target(
-                torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(pos, dtype=torch.int64, device=dev),
-            )
-        layers = torch.cat([self._recorded[i] for i in self.layer_ids], dim=-1)
-        for s in seqs:
-            s.num_cached = len(s.token_ids)
-        return hidden, layers, starts
-
-
-def generate(
-    runner: TargetRunner,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop_ids: Sequence[int] = (),
-    temperature: float = 0.0,
-    seed: int = 0,
-    batch_size: int = 32,
-    progress: bool = True,
-) -> list[list[int]]:
-    """The target's continuations of each prompt (token ids, ending at a stop token or the cap);
-    random rows use keyed Gumbel noise at (seed + prompt index, position)."""
-    outputs: list[list[int]] = [[] for _ in prompts]
-    stop = set(stop_ids)
-    bar = tqdm(total=len(prompts), desc="Generating", file=sys.stderr, disable=not progress)
-    for start in range(0, len(prompts), batch_size):
-        idx = list(range(start, min(start + batch_size, len(prompts))))
-        seqs = {i: Sequence_(list(prompts[i])) for i in idx}
-        live = list(idx)
-        while live:
-            hidden, _, starts = runner.step([seqs[i] for i in live])
-            logits = runner.target.compute_logits(hidden[[e - 1 for e in starts[1:]]])
-            if temperature > 0:
-                seeds = torch.tensor([seed + i for i in live], dtype=torch.int64)
-                positions = torch.tensor([len(seqs[i].token_ids) for i in live])
-                tokens = gumbel_argmax(logits.cpu() / temperature, seeds, positions)
-            else:
-                tokens = logits.argmax(dim=-1)
-            still = []
-            for i, t in zip(live, tokens.tolist(), strict=True):
-                outputs[i].append(t)
-                seqs[i].token_ids.append(t)
-                if t in stop or len(outputs[i]) >= max_new_tokens:
-                    runner.release(seqs[i])
-                    bar.update(1)
-                else:
-                    still.append(i)
-            live = still
-    bar.close()
-    return outputs
-
-
-@torch.no_grad()
-def target_hidden_states(
-    runner: TargetRunner, sequences: Sequence[Sequence[int]], max_tokens_per_step: int = 4096
-) -> list[torch.Tensor]:
-    """[len(seq), len(ids) * H] chosen-layer hidden states of each whole sequence (CPU, bf16)."""
-    out: list[torch.Tensor] = []
-    batch: list[Sequence_] = []
-
-    def flush() -> None:
-        if not batch:
-            return
-        _, layers, starts = runner.step(batch)
-        for j, s in enumerate(batch):
-            out.append(layers[starts[j] : starts[j + 1]].to("cpu", torch.bfloat16))
-            runner.release(s)
-        batch.clear()
-
-    for seq in sequences:
-        if batch and sum(len(s.token_ids) for s in batch) + len(seq) > max_tokens_per_step:
-            flush()
-        batch.append(Sequence_(list(seq)))
-    flush()
-    return out
 
 
 # -- the drafter ------------------------------------------------------------------------------
@@ -535,181 +349,6 @@ def train_loop(
             break
     bar.close()
     return history
-
-
-# -- acceptance --------------------------------------------------------------------------------
-
-
-@dataclass
-class AcceptanceReport:
-    mean_acceptance_length: float  # accepted drafts + 1, averaged over verification steps
-    verification_steps: int
-    generated_tokens: int
-    outputs: list[list[int]]
-
-
-@torch.no_grad()
-def measure_acceptance(
-    target: nn.Module,
-    proposer: DFlashProposer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop_ids: Sequence[int] = (),
-    num_drafts: int | None = None,
-    progress: bool = False,
-) -> AcceptanceReport:
-    """Greedy speculative decoding with `proposer`: each step verifies the drafts with one target
-    forward over [last token, drafts], keeps the matching prefix plus the target's own token."""
-    k = num_drafts or proposer.num_drafts
-    stop = set(stop_ids)
-    lengths: list[int] = []
-    outputs: list[list[int]] = []
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    with TargetRunner(target, proposer.target_layer_ids) as runner:
-        for n, prompt in enumerate(tqdm(prompts, disable=not progress, file=sys.stderr)):
-            rid = f"accept-{n}"
-            seq = Sequence_(list(prompt))
-            hidden, layers, _ = runner.step([seq])
-            token = int(target.compute_logits(hidden[-1:]).argmax(-1))
-            proposer.add_context(rid, 0, layers)
-            out = [token]
-            while token not in stop and len(out) < max_new_tokens:
-                tokens = seq.token_ids + [token]
-                row = SamplingRow(greedy, 0, len(tokens), prompt, out)
-                budget = min(k, max_new_tokens - len(out) - 1)
-                drafts = proposer.propose([ProposeRequest(rid, tokens, row, budget)]).token_ids[0]
-                start = len(seq.token_ids)
-                seq.token_ids = tokens + drafts
-                hidden, layers, _ = runner.step([seq])
-                verified = target.compute_logits(hidden).argmax(-1).tolist()  # [1 + n]
-                accepted = 0
-                while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
-                    accepted += 1
-                new = drafts[:accepted] + [verified[accepted]]
-                # Only the anchor and the accepted drafts stay: their hidden states are final.
-                proposer.add_context(rid, start, layers[: accepted + 1])
-                seq.token_ids = tokens + drafts[:accepted]
-                seq.num_cached = len(seq.token_ids)
-                for t in new:
-                    if len(out) < max_new_tokens and out[-1] not in stop:
-                        out.append(t)
-                token = out[-1]
-                lengths.append(accepted + 1)
-            proposer.remove(rid)
-            runner.release(seq)
-            outputs.append(out)
-    mean = sum(lengths) / len(lengths) if lengths else 0.0
-    return AcceptanceReport(mean, len(lengths), sum(len(o) for o in outputs), outputs)
-
-
-# -- prompts ----------------------------------------------------------------------------------
-
-_TOPICS = (
-    "the water cycle",
-    "photosynthesis",
-    "black holes",
-    "the French Revolution",
-    "volcanoes",
-    "machine learning",
-    "the immune system",
-    "climate change",
-    "the Roman Empire",
-    "electricity",
-    "the stock market",
-    "honey bees",
-    "the moon landing",
-    "vaccines",
-    "plate tectonics",
-    "the internet",
-    "renewable energy",
-    "the human heart",
-    "ancient Egypt",
-    "gravity",
-    "recycling",
-    "the printing press",
-    "dinosaurs",
-    "rainbows",
-    "the Olympic Games",
-    "coffee",
-    "chess",
-    "the Great Wall of China",
-    "earthquakes",
-    "sleep",
-    "music theory",
-    "the solar system",
-    "bread baking",
-    "democracy",
-    "oceans",
-    "friendship",
-    "exercise",
-    "the Amazon rainforest",
-    "computers",
-    "time management",
-    "gardening",
-    "birds",
-    "the periodic table",
-    "money",
-    "languages",
-    "Shakespeare",
-    "cats",
-    "the weather",
-    "space travel",
-    "healthy eating",
-    "mountains",
-    "trains",
-    "the brain",
-    "robots",
-)
-_HELD_OUT_TOPICS = (
-    "lighthouses",
-    "jazz",
-    "glaciers",
-    "the Silk Road",
-    "octopuses",
-    "bicycles",
-    "tea",
-    "submarines",
-    "deserts",
-    "fireworks",
-    "penguins",
-    "bridges",
-    "libraries",
-    "tornadoes",
-    "the Renaissance",
-    "coral reefs",
-    "windmills",
-    "origami",
-    "wolves",
-    "comets",
-)
-_TEMPLATES = (
-    "Explain {} to a ten-year-old.",
-    "Write a short paragraph about {}.",
-    "What are three interesting facts about {}?",
-    "Give me a simple summary of {}.",
-    "Why is {} important?",
-    "Write a short poem about {}.",
-    "List some common questions people ask about {}, with answers.",
-    "Describe {} in a few sentences.",
-)
-
-
-def builtin_prompts(held_out: bool = False) -> list[str]:
-    """Instruction prompts (topics x templates); the held-out set shares no topic with the rest."""
-    topics = _HELD_OUT_TOPICS if held_out else _TOPICS
-    prompts = [t.format(topic) for topic in topics for t in _TEMPLATES]
-    random.Random(1234).shuffle(prompts)
-    return prompts
-
-
-def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a one-turn chat prompt (the chat template if the tokenizer has one)."""
-    if getattr(tokenizer, "has_chat_template", False):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        return tokenizer.encode(rendered, add_special_tokens=False)
-    return tokenizer.encode(text)
 
 
 # -- the whole recipe ---------------------------------------------------------------------------

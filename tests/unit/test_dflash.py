@@ -31,15 +31,12 @@ from libkk.spec.dflash_model import (
 from libkk.spec.train import (
     DrafterTrainer,
     Sample,
-    TargetRunner,
     TrainOptions,
-    generate,
     init_drafter,
-    measure_acceptance,
-    target_hidden_states,
     train_drafter,
     train_loop,
 )
+from libkk.spec.train_target import TargetRunner, generate, measure_acceptance, target_hidden_states
 
 VOCAB, HIDDEN = 96, 64
 IDS = (0, 2)
@@ -468,7 +465,7 @@ shipped = pytest.mark.skipif(
 @shipped
 def test_shipped_drafter_proposes_for_the_default_model(default_target) -> None:
     from libkk.config import EngineConfig
-    from libkk.spec.train import builtin_prompts, chat_prompt_ids
+    from libkk.spec.train_target import builtin_prompts, chat_prompt_ids
 
     model, tokenizer = default_target
     config = EngineConfig.from_settings(device="cpu")
