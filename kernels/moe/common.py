@@ -1,12 +1,16 @@
-"""Shared pieces of the MoE kernels: formats, the error type, tile configs and input checks."""
+"""Shared pieces of the MoE kernels: formats, the error type, tile configs, input checks and the
+W4A16 epilogues both expert paths (sorted and pair-major) round alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 
 from libkk.errors import LibkkError
+
+from .._jit import jit
 
 FORMATS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -105,3 +109,20 @@ def _check_rows(x: torch.Tensor, name: str, width: int) -> None:
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@jit
+def _silu_mul(acc_gate, acc_up, DT: tl.constexpr):
+    """SiLU(gate) * up in DT from fp32 accumulators, each projection rounded to DT first, as the
+    unfused linear and the dequantized reference round them."""
+    gate = acc_gate.to(DT).to(tl.float32)
+    up = acc_up.to(DT).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+    return (act * up).to(DT)
+
+
+@jit
+def _routed(acc, routing_weight, DT: tl.constexpr):
+    """An expert's output in DT times its fp32 routing weight, rounded to DT again: the
+    reference's roundings before the top-k sum."""
+    return (acc.to(DT).to(tl.float32) * routing_weight).to(DT)

@@ -6,7 +6,7 @@ import torch
 import triton.language as tl
 
 from .._jit import check_device, jit
-from .common import GROUP, MoeTileConfig, _check_rows, _check_w4, _err
+from .common import GROUP, MoeTileConfig, _check_rows, _check_w4, _err, _routed, _silu_mul
 from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_value
 
 # --------------------------------------------------------------------------------------------------
@@ -114,11 +114,7 @@ def _gate_up_gemv_kernel(
                               USE_PTX)  # fmt: skip
         acc_u += _w4_row_dots(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, wmask, smask, xe,
                               xo, g_up, IS_NVFP4, GROUP, USE_PTX)  # fmt: skip
-    # Round each projection to the activation dtype first, as the unfused linear would.
-    gate = acc_g.to(DT).to(tl.float32)
-    up = acc_u.to(DT).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-    tl.store(out_ptr + pair * stride_ot + n, (act * up).to(DT), mask=nmask)
+    tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
 
 
 @jit
@@ -163,9 +159,7 @@ def _down_gemv_kernel(
         )  # fmt: skip
         acc += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, ae, ao, gscale, IS_NVFP4, GROUP,
                             USE_PTX)  # fmt: skip
-    # The sorted path's roundings: the expert's output, then times its routing weight, in DT.
-    y = acc.to(DT).to(tl.float32) * tl.load(rw_ptr + pair)
-    tl.store(out_ptr + pair * stride_ot + n, y.to(DT), mask=nmask)
+    tl.store(out_ptr + pair * stride_ot + n, _routed(acc, tl.load(rw_ptr + pair), DT), mask=nmask)
 
 
 def _fused_moe_w4a16_pairs(

@@ -15,6 +15,8 @@ from .common import (
     _check_w4,
     _err,
     _precision,
+    _routed,
+    _silu_mul,
     default_tile_config,
 )
 from .dequant import _ptx_decode, _w4_tile
@@ -110,11 +112,7 @@ def _gate_up_kernel(
         acc_g = tl.dot(xo, go, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(xe, ue, acc_u, input_precision=PRECISION)
         acc_u = tl.dot(xo, uo, acc_u, input_precision=PRECISION)
-    # Round each projection to the activation dtype first, as the unfused linear would.
-    gate = acc_g.to(DT).to(tl.float32)
-    up = acc_u.to(DT).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-    h = (act * up).to(DT)
+    h = _silu_mul(acc_g, acc_u, DT)
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + n[None, :]
     tl.store(out_ptrs, h, mask=valid[:, None] & nmask[None, :])
 
@@ -173,7 +171,7 @@ def _down_kernel(
         acc = tl.dot(ae, we, acc, input_precision=PRECISION)
         acc = tl.dot(ao, wo, acc, input_precision=PRECISION)
     rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
-    y = (acc.to(DT).to(tl.float32) * rw[:, None]).to(DT)
+    y = _routed(acc, rw[:, None], DT)
     out_ptrs = out_ptr + pair64[:, None] * stride_ot + n[None, :]
     tl.store(out_ptrs, y, mask=valid[:, None] & nmask[None, :])
 
