@@ -219,8 +219,8 @@ def _launch_gumbel_argmax(
     first = out.view(num_rows, 1) if num_chunks == 1 else torch.empty_like(best, dtype=torch.int64)
     _chunk_kernel[(num_rows, num_chunks)](
         logits,
-        seeds,
-        positions,
+        seeds.contiguous(),  # the kernels index keys with unit stride (an expand()ed view is not)
+        positions.contiguous(),
         best,
         first,
         logits.stride(0),
@@ -269,7 +269,7 @@ def keyed_uniform(
     if num_rows:
         block = min(_MAX_BLOCK, max(16, next_pow2(vocab_size)))
         _uniform_kernel[(num_rows, -(-vocab_size // block))](
-            seeds, positions, out, vocab_size, BLOCK=block, num_warps=4
+            seeds.contiguous(), positions.contiguous(), out, vocab_size, BLOCK=block, num_warps=4
         )
     return out
 
@@ -302,7 +302,8 @@ def keyed_uniform_at(
     out = torch.empty(n, dtype=torch.float32, device=seeds.device)
     if n:
         _uniform_at_kernel[(-(-n // _AT_BLOCK),)](
-            seeds, positions, token_ids, out, n, BLOCK=_AT_BLOCK, num_warps=4
+            seeds.contiguous(), positions.contiguous(), token_ids.contiguous(), out, n,
+            BLOCK=_AT_BLOCK, num_warps=4,
         )
     return out
 

@@ -67,6 +67,10 @@ def test_uniforms_at_tokens_bit_identical(n: int):
     ids = ids.to(DEVICE)
     want = reference.keyed_uniform_at(seeds.cpu(), positions.cpu(), ids.cpu())
     assert torch.equal(keyed_uniform_at(seeds, positions, ids).cpu(), want)
+    # keys broadcast to every id (an expand()ed view, stride 0), as for [1, K] ids
+    one = (seeds[:1].expand(n), positions[:1].expand(n))
+    want_one = reference.keyed_uniform_at(*(k.cpu().contiguous() for k in one), ids.cpu())
+    assert torch.equal(keyed_uniform_at(*one, ids).cpu(), want_one)
     grid = torch.randint(0, 50_000, (n, 5), generator=g, dtype=torch.int64).to(DEVICE)
     want = reference.keyed_uniform_at(seeds.cpu(), positions.cpu(), grid.cpu())
     assert torch.equal(reference.keyed_uniform_at(seeds, positions, grid).cpu(), want)
