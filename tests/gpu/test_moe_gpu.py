@@ -370,19 +370,28 @@ def test_w4a8_gate_up_codes_real_shape(layer):
     M.moe_w4a8_gate_up(xq, w13, s13, g13, x_scale, a_scale, *align, act, TOP_K, fmt, *tiles)
     flat = ids.reshape(-1).long()
     h = torch.empty(t * TOP_K, 2 * INTER, device=DEV)
+    magnitude = torch.empty_like(h)  # sum of |x_q * w|: the scale of a dot's rounding error
     for e in flat.unique().tolist():
         pairs = torch.nonzero(flat == e).flatten()
         w = M.dequantize_w4_ref(w13[e : e + 1], s13[e : e + 1], g13[e : e + 1], fmt,
                                 torch.float32)[0]  # fmt: skip
         h[pairs] = xq[pairs // TOP_K].float() @ w.T * x_scale
+        magnitude[pairs] = xq[pairs // TOP_K].float().abs() @ w.abs().T * x_scale
     gate, up = h.chunk(2, dim=-1)
     want = M.quantize_fp8_per_tensor(gate / (1.0 + torch.exp(-gate)) * up, a_scale)
     assert not act.float().isnan().any()
     off = act.float() != want.float()
     assert off.float().mean() < 0.02  # summation order moves the odd value across a boundary
-    # one e4m3 step apart: at most 1/8 of the value (normals) or 2^-9 (subnormals)
-    near = (act.float() - want.float()).abs() <= want.float().abs() / 8 + 2.0**-9
-    assert bool(near[off].all())
+    # One e4m3 step apart (1/8 of the value for normals, 2^-9 for subnormals), plus what a
+    # rounding error of the dots can move a code: fp8 tensor cores add the products of one dot
+    # with fewer than fp32's mantissa bits, so near-cancelling dots differ from fp32 by up to
+    # about 2^-13 of the products' magnitude (2^-11 allowed), carried through silu(gate) * up.
+    mag_gate, mag_up = magnitude.chunk(2, dim=-1)
+    slack = (1.1 * up.abs() * mag_gate + gate.abs() * mag_up) * 2.0**-11 / a_scale
+    gap = (act.float() - want.float()).abs()
+    near = gap <= want.float().abs() / 8 + 2.0**-9 + slack
+    worst = (gap - want.float().abs() / 8 - slack).max().item()
+    assert bool(near[off].all()), f"{int((~near).sum())} codes more than a step off (worst {worst})"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
