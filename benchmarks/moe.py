@@ -1,19 +1,20 @@
 """One MoE layer of the Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, moe_intermediate 768)
 with packed NVFP4 / MXFP4 experts (fused W4A16 kernels) vs the bf16 plain-torch path.
 
-For 1, 4, 16, 64, 256 and 4096 tokens: time per layer of the experts (align + both GEMMs + top-k
-sum; routing timed apart) as CUDA-graph replays of the fused path, eager for the plain path, which
-reads counts on the host; achieved GB/s (bytes of the experts the tokens touch + activations) and
-TFLOP/s, each against its floor measured in the same run: bytes / device copy bandwidth, FLOPs / bf16 matmul rate. Weights
-come from quantizing Gaussian weights, so scales (and their CSF compression) are realistic; four
-copies of the layer rotate so the touched experts are not served from L2. Also: CSF expansion
-time of one layer's scales vs the layer time.
+For 1, 4, 16, 64, 256 and 4096 tokens: time per layer of the experts (both GEMMs, the top-k sum,
+and on the sorted path the align; routing timed apart) as CUDA-graph replays of the fused path,
+eager for the plain path, which reads counts on the host; achieved GB/s (bytes of the experts the
+tokens touch + activations) and TFLOP/s, each against its floor measured in the same run: bytes /
+device copy bandwidth, FLOPs / bf16 matmul rate; and each kernel's device time from the profiler.
+Weights come from quantizing Gaussian weights, so scales (and their CSF compression) are
+realistic; four copies of the layer rotate so the touched experts are not served from L2. Also:
+CSF expansion time of one layer's scales vs the layer time.
 
 Run on the GPU machine: python benchmarks/moe.py --json moe.json   (about 3-5 minutes)
 
 `--sweep` instead times the fused path over a grid of tile configurations at each token count
 (CUDA-graph replays, same inputs) and prints the fastest few beside the default table's choice:
-what `kernels/moe.py`'s DECODE_CONFIG / PREFILL_CONFIG should be. Up to 16 tokens the grid
+what `kernels/moe/common.py`'s static tile table should hold. Up to 16 tokens the grid
 starts with the pair-major decode path (block_m = 1).
 """
 
@@ -140,17 +141,26 @@ def bench_fused(fmt: str, layers: list[dict], t: int, floors: dict) -> dict:
     with torch.cuda.graph(graph):
         run_all()
     per_layer = time_cuda(graph.replay, iters=20 if t <= 256 else 5) / COPIES
+    kernels = kernel_times(run_all, COPIES, calls=10 if t <= 256 else 2)
     # the routing and alignment parts alone (eager, so launch overhead included)
-    from libkk.kernels.moe import default_tile_config, moe_align_block_size, moe_topk_routing
+    from libkk.kernels.moe import (
+        PAIR_MAJOR,
+        default_tile_config,
+        moe_align_block_size,
+        moe_topk_routing,
+    )
 
     logits = torch.randn(t, E, device=DEV, dtype=torch.bfloat16)
     block_m = default_tile_config(t).block_m
     routing_s = time_cuda(lambda: moe_topk_routing(logits, TOP_K, True), iters=20)
-    align_s = time_cuda(lambda: moe_align_block_size(inputs[0][2], E, block_m), iters=20)
+    align_s = 0.0  # the pair-major path does not align
+    if block_m != PAIR_MAJOR:
+        align_s = time_cuda(lambda: moe_align_block_size(inputs[0][2], E, block_m), iters=20)
     floor_bytes = nbytes / floors["copy_bw"]
     floor_flops = flops / floors["matmul_flops"]
     return {
         "time_us": per_layer * 1e6,
+        "kernels_us": kernels,
         "routing_us": routing_s * 1e6,
         "align_us": align_s * 1e6,
         "eager_time_us": eager * 1e6,
@@ -163,6 +173,19 @@ def bench_fused(fmt: str, layers: list[dict], t: int, floors: dict) -> dict:
         "bandwidth_fraction": floor_bytes / per_layer,
         "compute_fraction": floor_flops / per_layer,
     }
+
+
+def kernel_times(run_all, layers: int, calls: int = 10) -> dict[str, float]:
+    """Device µs per layer of each kernel `run_all` launches (eager, from torch.profiler's CUDA
+    events: launch gaps excluded), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run_all()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / (calls * layers)) for e in prof.key_averages()]
+    return {name[:48]: us for name, us in sorted(rows, key=lambda r: -r[1]) if us > 0}
 
 
 def sweep_configs(t: int) -> list:
@@ -329,6 +352,13 @@ def main() -> None:
                   f"{r['TFLOP_s']:8.1f} {100 * r['bandwidth_fraction']:5.0f} "
                   f"{100 * r['compute_fraction']:6.0f} {b:9.1f} {b / r['time_us']:7.2f} "
                   f"{csf_us:7.1f} {r['align_us']:6.1f} {r['routing_us']:6.1f}")  # fmt: skip
+    print("\nper kernel, device µs per layer (eager, launch gaps excluded):")
+    for fmt in opts.formats.split(","):
+        for t in tokens:
+            r = results.get(fmt, {}).get(t)
+            if r is not None:
+                parts = "  ".join(f"{k} {us:.1f}" for k, us in r["kernels_us"].items())
+                print(f"{fmt:7} {t:6d}  {parts}")
     for fmt in opts.formats.split(","):
         c = results.get(fmt, {}).get("csf")
         if c:

@@ -22,15 +22,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
 from libkk.graphs.artifacts import ArtifactEntry
 from libkk.kernels._jit import next_pow2
 from libkk.kernels.moe import (
+    DECODE_CONFIG,
     GROUP,
     PAIR_MAJOR,
+    PAIR_MAJOR_MAX_TOKENS,
     W4A8_PREFILL_CONFIG,
     MoeKernelError,
     MoeShape,
@@ -55,9 +57,6 @@ logger = logging.getLogger("libkk")
 
 # Kernel names in the autotune store (one per activation kind).
 STORE_KERNELS = {"w4a16": "libkk.fused_moe_w4a16", "w4a8": "libkk.fused_moe_w4a8"}
-# Largest bucket given pair-major candidates: at 16 tokens x top-8 over 128 experts a pair-major
-# layer already reads each touched expert ~1.6 times.
-PAIR_MAJOR_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -102,15 +101,14 @@ def static_config(activations: str, num_tokens: int) -> TileConfig:
 def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     """The static choice first, then its neighbours: one tile axis halved or doubled (M tiles no
     taller than the bucket needs, K steps no longer than the shorter reduction), the other warp
-    count, one pipeline stage more or fewer; for W4A16 decode buckets also two pair-major
-    configs, whose products per (token, expert) pair beat M tiles while few pairs share an
-    expert."""
+    count, one pipeline stage more or fewer; for W4A16 decode buckets, whose static choice is the
+    pair-major path, also the sorted path's decode tiles, which win once pairs share experts."""
     base = static_config(shape.activations, num_tokens)
     max_m = max(16, min(128, next_pow2(num_tokens * shape.top_k)))
     max_k = min(256, next_pow2(min(shape.hidden, shape.intermediate)))
     limits = {
         "block_m": (16, max_m),
-        "block_n": (16, 256),
+        "block_n": (8 if base.block_m == PAIR_MAJOR else 16, 256),
         "block_k": (max(32, GROUP[shape.fmt]), max_k),
     }
     out: list[TileConfig] = [base]
@@ -135,10 +133,8 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
         if 2 <= stages <= 4:
             add(num_stages=stages)
     if shape.activations == "w4a16" and num_tokens <= PAIR_MAJOR_MAX_TOKENS:
-        # the pair-major decode path: no M tile, narrow N tiles, long K steps
-        k_step = max(limits["block_k"][0], min(256, max_k))
-        for block_n in (16, 32):
-            out.append(MoeTileConfig(PAIR_MAJOR, block_n, k_step, 4, 2))
+        k_step = max(limits["block_k"][0], min(DECODE_CONFIG.block_k, max_k))
+        out.append(replace(DECODE_CONFIG, block_k=k_step))
     return out
 
 

@@ -304,7 +304,7 @@ def keyed_uniform_at(
         _uniform_at_kernel[(-(-n // _AT_BLOCK),)](
             seeds.contiguous(), positions.contiguous(), token_ids.contiguous(), out, n,
             BLOCK=_AT_BLOCK, num_warps=4,
-        )
+        )  # fmt: skip
     return out
 
 

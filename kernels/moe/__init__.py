@@ -27,8 +27,8 @@ A tile config with block_m = PAIR_MAJOR replaces steps 2-4 with one matrix-vecto
 Because the packed bytes hold even and odd K elements in the two nibbles, the kernels split the
 activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
 
-Tile configs: a static table (decode <= 64 tokens: 16-row M tiles, the weight stream dominates;
-prefill: 64-row tiles), unless a higher layer installed measured choices for the layer's shape
+Tile configs: a static table (up to 16 tokens the pair-major path; then up to 64 tokens 16-row
+M tiles, the weight stream dominates; prefill: 64-row tiles), unless a higher layer installed measured choices for the layer's shape
 (`install_tile_choice`; graphs/moe_tiles.py times candidates on the GPU and keeps them in the
 artifact cache, which kernels/ cannot import). Triton's own autotune is not used.
 """
@@ -37,7 +37,10 @@ from .common import (
     DECODE_CONFIG,
     FORMATS,
     GROUP,
+    PAIR_DECODE_CONFIG,
+    PAIR_DECODE_NARROW,
     PAIR_MAJOR,
+    PAIR_MAJOR_MAX_TOKENS,
     PREFILL_CONFIG,
     W4A8_PREFILL_CONFIG,
     MoeKernelError,
@@ -90,7 +93,10 @@ __all__ = [
     "FORMATS",
     "FP8_MAX",
     "GROUP",
+    "PAIR_DECODE_CONFIG",
+    "PAIR_DECODE_NARROW",
     "PAIR_MAJOR",
+    "PAIR_MAJOR_MAX_TOKENS",
     "PREFILL_CONFIG",
     "W4A8_PREFILL_CONFIG",
     "MoeKernelError",

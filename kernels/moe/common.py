@@ -31,19 +31,31 @@ class MoeTileConfig:
     num_stages: int
 
 
-# Decode: few rows per expert, so a 16-row tile (tl.dot's minimum) wastes the least, and narrow N
-# tiles spread the few touched experts' weight stream over many SMs (batch 1 at the Qwen3-30B
-# shape: 8 experts x 768 / 32 = 192 gate_up programs, 512 down programs); no split-K, as N alone
-# already gives more programs than SMs there. Prefill: tiles big enough to reuse each dequantized
-# weight tile across many rows.
+# Sorted path (experts' rows gathered into M tiles). Decode: a 16-row tile (tl.dot's minimum)
+# wastes the least, and narrow N tiles spread the few touched experts' weight stream over many
+# SMs. Prefill: tiles big enough to reuse each dequantized weight tile across many rows.
 DECODE_CONFIG = MoeTileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
 PREFILL_CONFIG = MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 DECODE_MAX_TOKENS = 64
 # block_m of a W4A16 tile config that selects the pair-major decode path (no M tiles; see there).
 PAIR_MAJOR = 1
+# Up to 16 tokens the pair-major path runs by default: on the H200 at the Qwen3-30B-A3B shape it
+# took half the sorted path's time at 1, 4 and 16 tokens (benchmarks/moe.py --sweep). Above, pairs
+# share experts often enough that reading each touched expert once wins. 8-row N tiles at 1-2
+# tokens, where 8-16 pairs need many programs to fill the SMs; 32-row tiles above.
+PAIR_MAJOR_MAX_TOKENS = 16
+PAIR_DECODE_NARROW = MoeTileConfig(block_m=PAIR_MAJOR, block_n=8, block_k=256, num_warps=2,
+                                   num_stages=3)  # fmt: skip
+PAIR_DECODE_CONFIG = MoeTileConfig(block_m=PAIR_MAJOR, block_n=32, block_k=256, num_warps=4,
+                                   num_stages=3)  # fmt: skip
 
 
 def default_tile_config(num_tokens: int) -> MoeTileConfig:
+    """The W4A16 tiles run when nothing measured is installed for the layer's shape."""
+    if num_tokens <= 2:
+        return PAIR_DECODE_NARROW
+    if num_tokens <= PAIR_MAJOR_MAX_TOKENS:
+        return PAIR_DECODE_CONFIG
     return DECODE_CONFIG if num_tokens <= DECODE_MAX_TOKENS else PREFILL_CONFIG
 
 

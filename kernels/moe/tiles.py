@@ -65,6 +65,8 @@ def check_tile_config(activations: str, config: TileConfig) -> None:
             f"block_m must be >= 16 (tl.dot's minimum) or {PAIR_MAJOR} (W4A16 pair-major), "
             f"got {config.block_m}"
         )
+    if config.block_n < 16 and not pair_major:
+        raise _err(f"block_n must be >= 16 (tl.dot's minimum) on M tiles, got {config.block_n}")
     if isinstance(config, MoeTileConfig) and config.block_k < 32:
         raise _err(f"block_k must be >= 32, got {config.block_k}")
 

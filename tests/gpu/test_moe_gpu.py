@@ -102,7 +102,7 @@ def test_align_real_shape(t, block_m):
 def test_gemm_ops_bf16(layer, t):
     fmt, w13, s13, g13, w2, s2, g2 = layer
     x, weights, ids = _inputs(t, seed=t + 10)
-    cfg = M.default_tile_config(t)
+    cfg = M.DECODE_CONFIG if t <= 64 else M.PREFILL_CONFIG  # the sorted path's ops
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     align = M.moe_align_block_size(ids, E, cfg.block_m)
     inter = torch.full((t * TOP_K, INTER), float("nan"), dtype=torch.bfloat16, device=DEV)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from libkk.graphs.artifacts import ArtifactCache, ArtifactKey
 from libkk.graphs.moe_tiles import (
-    PAIR_MAJOR_MAX_TOKENS,
     STORE_KERNELS,
     TuneProblem,
     candidate_configs,
@@ -122,6 +121,12 @@ class _KernelSpy:
         monkeypatch.setattr(w4a8, "moe_w4a8_gate_up", gemm("w4a8_gate_up", 9))
         monkeypatch.setattr(w4a8, "moe_w4a8_down", gemm("w4a8_down", 9))
 
+        def pairs(x, *args):  # the pair-major path: its kernels run inside, so the whole call
+            self.tiles.append(("w4a16_pairs", *_tiles(args[-1])))
+            return torch.zeros_like(x)
+
+        monkeypatch.setattr(w4a16, "_fused_moe_w4a16_pairs", pairs)
+
     def take(self) -> list[tuple]:
         tiles, self.tiles = self.tiles, []
         return tiles
@@ -146,9 +151,13 @@ def _tiles(cfg: M.MoeTileConfig) -> tuple:
 
 def test_fused_call_uses_the_installed_choice_else_the_static_table(monkeypatch):
     spy = _KernelSpy(monkeypatch)
-    for t, static in ((3, M.DECODE_CONFIG), (100, M.PREFILL_CONFIG)):
+    for t, static in ((20, M.DECODE_CONFIG), (100, M.PREFILL_CONFIG)):
         M.fused_moe_w4a16(*_layer_args(t), "nvfp4")
         assert spy.take() == [("w4a16_gate_up", *_tiles(static)), ("w4a16_down", *_tiles(static))]
+    for t, static in ((1, M.PAIR_DECODE_NARROW), (2, M.PAIR_DECODE_NARROW),
+                      (3, M.PAIR_DECODE_CONFIG), (16, M.PAIR_DECODE_CONFIG)):  # fmt: skip
+        M.fused_moe_w4a16(*_layer_args(t), "nvfp4")
+        assert spy.take() == [("w4a16_pairs", *_tiles(static))]
     M.install_tile_choice(SHAPE, 4, A)
     M.install_tile_choice(SHAPE, 128, B)
     for t, cfg in ((3, A), (100, B), (500, B)):
@@ -158,7 +167,7 @@ def test_fused_call_uses_the_installed_choice_else_the_static_table(monkeypatch)
     assert spy.take()[0] == ("w4a16_gate_up", *_tiles(C))
     other = SHAPE._replace(num_experts=8)
     M.fused_moe_w4a16(*_layer_args(3, other), "nvfp4")  # a shape with nothing installed
-    assert spy.take()[0] == ("w4a16_gate_up", *_tiles(M.DECODE_CONFIG))
+    assert spy.take()[0] == ("w4a16_pairs", *_tiles(M.PAIR_DECODE_CONFIG))
 
 
 def test_w4a8_call_uses_the_installed_choice_else_the_prefill_config(monkeypatch):
@@ -211,8 +220,11 @@ def test_candidates_start_with_the_static_choice_and_are_valid():
             assert cands[0] == static_config(shape.activations, t)
             assert len(cands) == len(set(cands)) and 3 <= len(cands) <= 12
             pair_major = [c for c in cands if c.block_m == M.PAIR_MAJOR]
-            decode = shape.activations == "w4a16" and t <= PAIR_MAJOR_MAX_TOKENS
-            assert len(pair_major) == (2 if decode else 0)
+            decode = shape.activations == "w4a16" and t <= M.PAIR_MAJOR_MAX_TOKENS
+            assert len(pair_major) == (len(cands) - 1 if decode else 0)
+            if decode:  # the sorted path's decode tiles (K step fitted) compete too
+                sorted_ = cands[-1]
+                assert (sorted_.block_m, sorted_.block_n) == (16, M.DECODE_CONFIG.block_n)
             for cfg in cands:
                 M.check_tile_config(shape.activations, cfg)
                 if isinstance(cfg, M.MoeTileConfig) and cfg != cands[0]:  # neighbours only
