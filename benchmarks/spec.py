@@ -12,7 +12,8 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
   random weights the target does not continue the pattern, so the acceptance it reaches is
   reported as measured.
 
-Decode tok/s = requests * tokens / the slowest request's decode time (first token to last).
+Decode tok/s = requests * tokens / the slowest request's decode time (first token to last); each
+case first runs its whole workload once untimed, then --repeats timed runs of it (median, spread).
 The floor for a speculative row is its measured acceptance length * requests per weight read:
 a verification step reads the weights at least once (decode.py's `step_bytes` without the KV
 cache / measured copy bandwidth).
@@ -84,7 +85,10 @@ def run(
     from libkk import SamplingParams, Session
 
     batch, prompt = len(ids), len(ids[0])
-    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    # One seed per request, the same in every repeat: the synthetic acceptance is keyed by it, so
+    # each repeat decodes the same steps.
+    params = [SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, seed=i)
+              for i in range(batch)]  # fmt: skip
     with Session(
         str(path),
         dtype="bfloat16",
@@ -97,7 +101,7 @@ def run(
     ) as s:
         if spec.get("rejection_sample_method") == "synthetic":
             s.engine.proposer = RepeatAnchor()
-        s.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+        s.generate(ids, params)  # warm up: every step shape the repeats will see
         before = s.stats()
         tok_s = []
         for _ in range(repeats):
@@ -108,7 +112,8 @@ def run(
         if profile:
             profile_decode(s, ids, tokens)
         weights = s.engine.weights_bytes
-    row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)]}
+    row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)],
+           "per_repeat": tok_s}  # fmt: skip
     row["weights_bytes"] = weights
     if "spec_num_verify_steps" in after:
         steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
