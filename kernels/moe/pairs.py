@@ -175,7 +175,8 @@ def _fused_moe_w4a16_pairs(
     fmt: str,
     cfg: MoeTileConfig,
 ) -> torch.Tensor:
-    """fused_moe_w4a16 on the pair-major path (cfg.block_m == 1)."""
+    """Each (token, expert) pair's routed output [num_tokens, top_k, H] on the pair-major path
+    (cfg.block_m == 1)."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[-1]
     inter = w13.shape[1] // 2
@@ -189,7 +190,7 @@ def _fused_moe_w4a16_pairs(
         )
     check_device(x)
     if num_tokens == 0:
-        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+        return torch.empty(0, top_k, hidden, dtype=x.dtype, device=x.device)
     ids = topk_ids.contiguous().view(-1)
     a = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
@@ -206,4 +207,4 @@ def _fused_moe_w4a16_pairs(
         a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
     )  # fmt: skip
-    return y.view(num_tokens, top_k, -1).sum(dim=1)  # as the sorted path: fp32 sum, one rounding
+    return y.view(num_tokens, top_k, -1)

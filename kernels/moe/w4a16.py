@@ -330,25 +330,43 @@ def fused_moe_w4a16(
     fmt: str,
     config: MoeTileConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, H]
-    """The whole expert computation of one layer on 4-bit weights; no host synchronisation."""
-    num_tokens, top_k = topk_ids.shape
+    """The whole expert computation of one layer on 4-bit weights; no host synchronisation.
+
+    The top-k sum is left to torch (which accumulates it in fp32): under torch.compile it fuses
+    into the residual add that follows instead of costing a kernel of its own."""
+    args = (x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt)
     if config is None:
+        top_k = topk_ids.shape[1]
         shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
         if has_tile_choices(shape):
             if torch.compiler.is_compiling():
                 # The measured choice depends on the token count: picked at run time inside an
                 # opaque op, so the trace is not specialised (and recompiled) per token bucket.
-                return fused_moe_w4a16_measured(
-                    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
-                    topk_ids, fmt,
-                )  # fmt: skip
-            config = tile_choice(shape, num_tokens)
-    cfg = config or default_tile_config(num_tokens)
+                return fused_moe_w4a16_measured(*args).sum(dim=1)
+            config = tile_choice(shape, topk_ids.shape[0])
+    return _routed_pair_outputs(*args, config or default_tile_config(topk_ids.shape[0])).sum(dim=1)
+
+
+def _routed_pair_outputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: str,
+    cfg: MoeTileConfig,
+) -> torch.Tensor:  # [num_tokens, top_k, H]
+    """Each (token, expert) pair's output times its routing weight, on the path `cfg` selects."""
     if cfg.block_m == PAIR_MAJOR:
         return _fused_moe_w4a16_pairs(
             x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
             cfg,
         )  # fmt: skip
+    num_tokens, top_k = topk_ids.shape
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)
     inter = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
@@ -359,7 +377,7 @@ def fused_moe_w4a16(
     moe_w4a16_down(
         inter, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, npad, y, fmt, *tiles
     )
-    return y.view(num_tokens, top_k, -1).sum(dim=1)  # torch accumulates the sum in fp32
+    return y.view(num_tokens, top_k, -1)
 
 
 @torch.library.custom_op("libkk::fused_moe_w4a16_measured", mutates_args=())
@@ -374,17 +392,20 @@ def fused_moe_w4a16_measured(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     fmt: str,
-) -> torch.Tensor:
-    """`fused_moe_w4a16` with the installed tile choice for this call's token count, as one op
-    that torch.compile does not look into."""
-    return fused_moe_w4a16(
-        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt
+) -> torch.Tensor:  # [num_tokens, top_k, H]
+    """Each pair's routed output (`fused_moe_w4a16` before its top-k sum) with the installed tile
+    choice for this call's token count, as one op that torch.compile does not look into."""
+    num_tokens, top_k = topk_ids.shape
+    shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
+    cfg = tile_choice(shape, num_tokens) or default_tile_config(num_tokens)
+    return _routed_pair_outputs(
+        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt, cfg
     )
 
 
 @fused_moe_w4a16_measured.register_fake
 def _(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt):
-    return x.new_empty(x.shape[0], w2.shape[1])
+    return x.new_empty(x.shape[0], topk_ids.shape[1], w2.shape[1])
 
 
 # --------------------------------------------------------------------------------------------------
