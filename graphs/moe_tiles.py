@@ -108,7 +108,7 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     max_k = min(256, next_pow2(min(shape.hidden, shape.intermediate)))
     limits = {
         "block_m": (16, max_m),
-        "block_n": (8 if base.block_m == PAIR_MAJOR else 16, 256),
+        "block_n": (4 if base.block_m == PAIR_MAJOR else 16, 256),
         "block_k": (max(32, GROUP[shape.fmt]), max_k),
     }
     out: list[TileConfig] = [base]
