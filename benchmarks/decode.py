@@ -84,11 +84,19 @@ COMMON = dict(
 )
 
 
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer "t0".."t{V-1}": token ids serve as prompts, "t1" is EOS."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+
+
 def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16") -> None:
     """Random weights in HF names, written shard by shard so host memory stays small; expert
     weights quantized to `experts` unless it is bf16."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
 
     from libkk.quant.checkpoint import QUANT_CONFIG, quant_config, quantize_tensor
 
@@ -151,9 +159,7 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": index})
     )
-    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    write_word_tokenizer(path, cfg["vocab_size"])
     if experts != "bf16":
         (path / QUANT_CONFIG).write_text(json.dumps(quant_config(experts)))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks the folder done

@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import write_word_tokenizer  # noqa: E402
 from spec import K, RepeatAnchor, rate_for_length  # noqa: E402
 
 VOCAB = 2048
@@ -43,7 +44,6 @@ PROMPT_LEN = 64
 
 def write_tiny_qwen3(path: Path) -> Path:
     """A 2-layer random Qwen3 with a word-level tokenizer (token ids as prompts)."""
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if (path / "config.json").exists():
@@ -63,9 +63,7 @@ def write_tiny_qwen3(path: Path) -> Path:
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    write_word_tokenizer(path, VOCAB)
     return path
 
 

@@ -29,44 +29,23 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, default_model_dir):
-    """A 2-layer random Llama with the default model's tokenizer, so prompts can be text.
+    """A 2-layer random Llama with the default model's tokenizer, so prompts can be text."""
+    from transformers import LlamaForCausalLM
 
-    Weights are drawn wider than HF's default init so logits are well separated: equivalence
-    tests compare greedy tokens, and near-ties would make them depend on summation order.
-    """
-    import shutil
+    from tests.checkpoints import save_with_tokenizer_of, tiny_llama_config
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, path / name)
-    return path
+    model = LlamaForCausalLM(tiny_llama_config())
+    return save_with_tokenizer_of(model, tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     """A 3-layer random Qwen3 with a word-level tokenizer (token ids as prompts): no model
     download, so the GPU machine can run it."""
-    import json
-
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.checkpoints import save_with_word_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-qwen3")
     config = Qwen3Config(
@@ -84,8 +63,4 @@ def tiny_qwen3_dir(tmp_path_factory):
         eos_token_id=1,
     )
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    return path
+    return save_with_word_tokenizer(Qwen3ForCausalLM(config), path)

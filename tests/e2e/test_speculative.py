@@ -4,14 +4,13 @@ stopped; seeded sampling with speculation is batch-invariant; bad settings fail 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from e2e_prompts import PROMPTS
 
 from libkk import SamplingParams, Session
 from libkk.errors import ConfigError
+from tests.checkpoints import save_with_tokenizer_of, tiny_llama_config
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 # How each mix runs: one request at a time, all at once, chunked prefill, preemption in a small
@@ -24,32 +23,6 @@ MIXES = {
 }
 
 
-def _save(model, path, default_model_dir):
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, path / name)
-    return path
-
-
-def _llama_config(**kw):
-    from transformers import LlamaConfig
-
-    base = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaConfig(**(base | kw))
-
-
 @pytest.fixture(scope="module")
 def small_draft_dir(tmp_path_factory, default_model_dir):
     """A smaller random Llama (1 layer, hidden 32) with the target's vocabulary."""
@@ -57,9 +30,9 @@ def small_draft_dir(tmp_path_factory, default_model_dir):
 
     torch.manual_seed(1)
     model = LlamaForCausalLM(
-        _llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+        tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     )
-    return _save(model, tmp_path_factory.mktemp("draft-small"), default_model_dir)
+    return save_with_tokenizer_of(model, tmp_path_factory.mktemp("draft-small"), default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +46,7 @@ def near_draft_dir(tmp_path_factory, tiny_llama_dir, default_model_dir):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
-    return _save(model, tmp_path_factory.mktemp("draft-near"), default_model_dir)
+    return save_with_tokenizer_of(model, tmp_path_factory.mktemp("draft-near"), default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +57,7 @@ def cyclic_llama_dir(tmp_path_factory, default_model_dir):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config(tie_word_embeddings=False))
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False))
     ids = torch.arange(49152)
     prev = (ids // 6) * 6 + (ids - 1) % 6
     with torch.no_grad():
@@ -92,7 +65,7 @@ def cyclic_llama_dir(tmp_path_factory, default_model_dir):
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.01)
             layer.mlp.down_proj.weight.mul_(0.002)
-    return _save(model, tmp_path_factory.mktemp("cyclic"), default_model_dir)
+    return save_with_tokenizer_of(model, tmp_path_factory.mktemp("cyclic"), default_model_dir)
 
 
 def _run(path, prompts, params, **settings):
@@ -314,8 +287,8 @@ def test_bad_speculative_settings_raise_config_error(tiny_llama_dir, tmp_path, d
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(3)
-    other_vocab = _save(
-        LlamaForCausalLM(_llama_config(vocab_size=1000, hidden_size=32, num_hidden_layers=1)),
+    other_vocab = save_with_tokenizer_of(
+        LlamaForCausalLM(tiny_llama_config(vocab_size=1000, hidden_size=32, num_hidden_layers=1)),
         tmp_path / "other-vocab",
         default_model_dir,
     )

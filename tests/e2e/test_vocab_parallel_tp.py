@@ -9,7 +9,6 @@ acceptance counts. Steps the shards do not cover (top-p, logprobs) fall back to 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -41,8 +40,9 @@ COUNTS = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_t
 def qwen3_dir(tmp_path_factory) -> Path:
     """A 2-layer random Qwen3, vocab 250 (not a multiple of 3: tp=3 pads the last shard), 12
     heads and 6 KV heads (splits at 2 and 3), token-id prompts."""
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.checkpoints import save_with_word_tokenizer
 
     path = tmp_path_factory.mktemp("vp-qwen3")
     config = Qwen3Config(
@@ -51,11 +51,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    return path
+    return save_with_word_tokenizer(Qwen3ForCausalLM(config), path)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -12,10 +10,10 @@ import torch
 def tiny_moe_dirs(tmp_path_factory):
     """A 3-layer random Qwen3-MoE (8 heads, 16 experts of intermediate 128, top-4) with a word-level
     tokenizer: bf16 ("bf"), and quantized to "nvfp4" and "mxfp4-csf"."""
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from libkk.models.quantize import quantize_checkpoint
+    from tests.checkpoints import save_with_word_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")
     config = Qwen3MoeConfig(
@@ -25,12 +23,7 @@ def tiny_moe_dirs(tmp_path_factory):
         initializer_range=0.3, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(path / "bf")
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    for d in ("bf",):
-        Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / d / "tokenizer.json"))
-        (path / d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    dirs = {"bf": path / "bf"}
+    dirs = {"bf": save_with_word_tokenizer(Qwen3MoeForCausalLM(config), path / "bf")}
     for fmt in ("nvfp4", "mxfp4-csf"):
         quantize_checkpoint(path / "bf", path / fmt, fmt, progress=False)
         dirs[fmt] = path / fmt

@@ -7,8 +7,6 @@ Run: python -m pytest -q -m gpu tests/gpu/test_moe_tiles_gpu.py
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -17,8 +15,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def tiny_moe_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.checkpoints import save_with_word_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-qwen3-moe-tiles")
     config = Qwen3MoeConfig(
@@ -28,11 +27,7 @@ def tiny_moe_dir(tmp_path_factory):
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    return path
+    return save_with_word_tokenizer(Qwen3MoeForCausalLM(config), path)
 
 
 def test_session_tunes_records_and_a_second_session_loads_without_timing(

@@ -4,8 +4,6 @@ request), eager and compiled; seeded sampling with speculation is batch-invarian
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -15,8 +13,9 @@ VOCAB = 2048
 
 
 def _write(path, layers, hidden, seed, cyclic=False):
-    from tokenizers import Tokenizer, models
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.checkpoints import save_with_word_tokenizer
 
     config = Qwen3Config(
         vocab_size=VOCAB,
@@ -42,11 +41,7 @@ def _write(path, layers, hidden, seed, cyclic=False):
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(0.01)
                 layer.mlp.down_proj.weight.mul_(0.002)
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
-    return path
+    return save_with_word_tokenizer(model, path)
 
 
 @pytest.fixture(scope="module")
