@@ -231,6 +231,11 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
     stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
     # Show progress bars for loading and conversion (stderr).
     progress: bool = True
+    # Once the model is ready, collect garbage and freeze every live Python object out of the
+    # collector's reach until the session closes (libkk/runtime/heap.py): full collections would
+    # otherwise walk the compiled model's objects, a stall of hundreds of ms inside some step.
+    # Frozen objects of the host that become cyclic garbage meanwhile are collected only after.
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler.async_scheduling:

@@ -8,6 +8,7 @@ only its own.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -19,6 +20,7 @@ from libkk.config import EngineConfig
 from libkk.engine.engine import Engine
 from libkk.engine.outputs import RequestOutput
 from libkk.errors import InvalidRequestError, SessionClosedError, UnknownRequestError
+from libkk.runtime.heap import freeze_startup_objects, release_frozen_objects
 from libkk.sample.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -40,6 +42,9 @@ class Session:
             base.updated(**settings) if model is None else base.updated(model=model, **settings)
         )
         self._engine: Engine | None = Engine(self.config)
+        self._froze_gc = self.config.freeze_gc
+        if self._froze_gc:
+            freeze_startup_objects()
         self._lock = threading.RLock()
         self._queues: dict[str, deque[RequestOutput]] = {}
         # Requests whose outputs the caller collects through step() (submitted with submit()).
@@ -223,8 +228,8 @@ class Session:
             self._stepped.clear()
             device = engine.device
             del engine
-            import gc
-
+            if self._froze_gc:
+                release_frozen_objects()
             gc.collect()
             if device.type == "cuda":
                 import torch

@@ -32,6 +32,7 @@ from libkk.engine.executor import (
     link_vocab_parallel,
     rank_device,
 )
+from libkk.runtime.heap import freeze_startup_objects
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
 from libkk.spec import build_proposer, runner_speculation
@@ -155,6 +156,8 @@ def _worker_main(
         runner.sampler = _NoSampler()
         enter_phase("steps")
         set_phase_listener(None)
+        if config.freeze_gc:
+            freeze_startup_objects()  # this process's own heap; its exit releases it
         conn.send(("ready",))
         # Context hidden states of the steps since the last proposer calls, by request.
         aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
