@@ -196,8 +196,8 @@ def sweep_configs(t: int) -> list:
 
     pairs = []  # the pair-major decode path first: the budget may not reach the end of the grid
     if t <= 16:
-        pairs = list(itertools.product([PAIR_MAJOR], [4, 8, 16, 32], [128, 256, 512], [1, 2, 4],
-                                       [2, 3]))  # fmt: skip
+        pairs = list(itertools.product([PAIR_MAJOR], [4, 8, 16, 32], [256, 512, 2048], [2, 4],
+                                       [1, 3]))  # fmt: skip
     if t <= 64:
         grid = itertools.product([16], [16, 32, 64], [128, 256], [4, 8], [2, 3, 4])
     else:
