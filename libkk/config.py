@@ -232,9 +232,9 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
     # Show progress bars for loading and conversion (stderr).
     progress: bool = True
     # Once the model is ready, collect garbage and freeze every live Python object out of the
-    # collector's reach until the session closes (libkk/runtime/heap.py): full collections would
+    # collector's reach until a session closes (libkk/runtime/heap.py): full collections would
     # otherwise walk the compiled model's objects, a stall of hundreds of ms inside some step.
-    # Frozen objects of the host that become cyclic garbage meanwhile are collected only after.
+    # Frozen objects of the host that become cyclic garbage meanwhile are collected at a close.
     freeze_gc: bool = True
 
     def __post_init__(self) -> None:

@@ -229,8 +229,9 @@ class Session:
             device = engine.device
             del engine
             if self._froze_gc:
-                release_frozen_objects()
-            gc.collect()
+                release_frozen_objects()  # collects, the closed model's objects included
+            else:
+                gc.collect()
             if device.type == "cuda":
                 import torch
 

@@ -6,8 +6,9 @@ Inductor and Triton state). A full collection walks all of them: hundreds of mil
 during the first requests, since everything start-up allocated is still counted as new. Like
 vLLM and SGLang, libkk collects once when a model is ready and moves every live object into the
 collector's permanent generation (`gc.freeze`), so later collections only walk what steps
-allocate. Frozen objects are not collected until they are unfrozen, which happens when the last
-session that froze closes.
+allocate. Frozen objects are not collected while frozen: a session that closes unfreezes, collects
+(its model's objects go, GPU tensors held in reference cycles included) and freezes again what the
+sessions still open hold.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def freeze_startup_objects() -> None:
 
 
 def release_frozen_objects() -> None:
-    """Unfreezes once no session that froze holds the heap (the objects are collectable again)."""
+    """For a closing session that froze: unfreezes, collects, and freezes again if other sessions
+    that froze are still open."""
     global _holders
     with _lock:
-        if _holders == 0:
-            return
-        _holders -= 1
-        if _holders == 0:
-            gc.unfreeze()
+        _holders = max(_holders - 1, 0)
+        gc.unfreeze()
+        gc.collect()
+        if _holders:
+            gc.freeze()

@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from libkk import Session
 from libkk.runtime import heap
 
 
-def test_freezes_are_counted_and_the_last_release_unfreezes():
+def test_freezes_are_counted_and_a_release_frees_what_only_the_closed_holder_kept():
     before = heap._holders
     heap.freeze_startup_objects()
-    heap.freeze_startup_objects()
-    assert gc.get_freeze_count() > 0
+    kept = _Cycle()  # in a reference cycle: only the collector frees it
+    probe = weakref.ref(kept)
+    heap.freeze_startup_objects()  # a second session: freezes the first one's objects too
+    del kept
+    gc.collect()
+    assert probe() is not None  # frozen: the collector does not see it
     heap.release_frozen_objects()
-    assert gc.get_freeze_count() > 0  # one holder left
+    assert probe() is None  # released by the close, though one holder is left
+    assert heap._holders == before + 1 and gc.get_freeze_count() > 0
     heap.release_frozen_objects()
     assert heap._holders == before
     if before == 0:
         assert gc.get_freeze_count() == 0
-    heap.release_frozen_objects()  # more releases than freezes: nothing to undo
-    assert heap._holders == max(before - 1, 0)
-    for _ in range(before - heap._holders):  # restore what this test released of others'
-        heap.freeze_startup_objects()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
 
 
 def test_a_session_freezes_its_start_up_objects_until_it_closes(tiny_qwen3_dir):
