@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny shape")
     ap.add_argument("--lengths", type=float, nargs="+", default=list(ACCEPTANCE_LENGTHS))
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
-    ap.add_argument("--profile", action="store_true", help="profile each case (decode.py's)")
+    ap.add_argument("--profile", action="store_true", help="profile the speculative cases")
     ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
     args = ap.parse_args()
 
@@ -168,7 +168,8 @@ def main() -> None:
         base = None
         for name, workload, spec in cases:
             row = {"batch": batch, "case": name}
-            row |= run(path, workload, args.tokens, args.repeats, args.device, args.profile, **spec)
+            profile = args.profile and "method" in spec  # plain decoding: decode.py --profile
+            row |= run(path, workload, args.tokens, args.repeats, args.device, profile, **spec)
             if name == "none":
                 base = row["tok_s"]
             row["speedup"] = row["tok_s"] / base if base else None
