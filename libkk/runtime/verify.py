@@ -63,7 +63,10 @@ def verify(
         flat_rows = [row for per in rows for row in per]
         processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
 
-    index, drafts, num_draft, seeds, positions = _step_inputs(requests, k, device)
+    # temperature 1 for sampled rows (process_logits has applied theirs), 0 for greedy ones
+    index, drafts, num_draft, seeds, positions, temperatures = _step_inputs(
+        requests, k, device, [0.0 if g else 1.0 for g in greedy]
+    )
     target = processed[index]  # [R, K+1, V]
 
     if synthetic_rates is not None:
@@ -73,8 +76,6 @@ def verify(
         # random rows (a full-vocabulary hash per row).
         out, _ = _greedy(target, drafts, num_draft)
     else:
-        # Temperature 1 for sampled rows: process_logits has applied theirs.
-        temperatures = host_to_device(torch.tensor([0.0 if g else 1.0 for g in greedy]), device)
         out, _ = rejection_sample(
             target,
             drafts,
@@ -102,14 +103,19 @@ def verify(
 
 
 def _step_inputs(
-    requests: Sequence[ScheduledRequest], k: int, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    requests: Sequence[ScheduledRequest],
+    k: int,
+    device: torch.device,
+    temperatures: Sequence[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """On the device, in one copy: the row index [R, K+1] into the step's concatenated target
     rows (request i's row j <= n_i at offset_i + j; rows past n_i repeat its last row, masked
-    off by num_draft), the drafts [R, K] (0-padded), num_draft [R], seeds [R], positions [R]."""
+    off by num_draft), the drafts [R, K] (0-padded), num_draft [R], seeds [R], positions [R],
+    and `temperatures` [R] (fp32; carried as float64 bits)."""
     num = len(requests)
     n = np.fromiter((r.num_spec_tokens for r in requests), np.int64, num)
-    host = np.zeros((num, 2 * k + 4), np.int64)  # [index K+1 | drafts K | n | seed | position]
+    # [index K+1 | drafts K | n | seed | position | temperature]
+    host = np.zeros((num, 2 * k + 5), np.int64)
     offsets = np.zeros(num, np.int64)
     np.cumsum(n[:-1] + 1, out=offsets[1:])
     host[:, : k + 1] = offsets[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
@@ -118,9 +124,11 @@ def _step_inputs(
     host[:, 2 * k + 1] = n
     host[:, 2 * k + 2] = [r.sampling.seed for r in requests]  # type: ignore[union-attr]
     host[:, 2 * k + 3] = [r.sampling.position for r in requests]  # type: ignore[union-attr]
+    host[:, 2 * k + 4] = np.asarray(temperatures, np.float64).view(np.int64)
     packed = host_to_device(torch.from_numpy(host), device)
+    temps = packed[:, 2 * k + 4].view(torch.float64).float()
     return (packed[:, : k + 1], packed[:, k + 1 : 2 * k + 1], packed[:, 2 * k + 1],
-            packed[:, 2 * k + 2], packed[:, 2 * k + 3])  # fmt: skip
+            packed[:, 2 * k + 2], packed[:, 2 * k + 3], temps)  # fmt: skip
 
 
 def shards_cover(requests: Sequence[ScheduledRequest], vocab_size: int) -> bool:
@@ -148,13 +156,12 @@ def verify_from_shards(
     device = logits[0].device
     size = logits[0].shape[-1]
     k = max(r.num_spec_tokens for r in requests)
-    index, drafts, num_draft, seeds, positions = _step_inputs(requests, k, device)
-    target = torch.cat(list(logits))[index]  # [R, K+1, Vs]
     rows = [r.sampling for r in requests]
-    temperatures = host_to_device(
-        torch.tensor([row.params.temperature for row in rows]),  # type: ignore[union-attr]
-        device,
+    temps = [row.params.temperature for row in rows]  # type: ignore[union-attr]
+    index, drafts, num_draft, seeds, positions, temperatures = _step_inputs(
+        requests, k, device, temps
     )
+    target = torch.cat(list(logits))[index]  # [R, K+1, Vs]
 
     if all(row.params.greedy for row in rows):  # type: ignore[union-attr]
         # The argmax alone: one [rows, 2] gather of each shard's (max, token), no keyed noise.
