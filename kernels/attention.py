@@ -93,6 +93,33 @@ def _attend(
 
 
 @jit
+def _load_q(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+            DIM_PAD: tl.constexpr):  # fmt: skip
+    """[ROWS, DIM_PAD] query rows (token q_rows, head `head`), zero where masked."""
+    d = tl.arange(0, DIM_PAD)
+    return tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+
+
+@jit
+def _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
+               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, IS_FP8: tl.constexpr):  # fmt: skip
+    """out rows = acc / l (times v_scale for FP8 caches), in out's dtype."""
+    if IS_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    d = tl.arange(0, DIM_PAD)
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
+    )
+
+
+@jit
 def _varlen_kernel(
     q_ptr,
     cache_ptr,
@@ -151,14 +178,8 @@ def _varlen_kernel(
     head = kv_head * GROUP + rows % GROUP_PAD  # [BLOCK_M]
     row_ok = (tok < query_len) & (rows % GROUP_PAD < GROUP)
     q_pos = context_len + tok  # [BLOCK_M] position of each row's token
-    d = tl.arange(0, DIM_PAD)
-    d_ok = d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_M, DIM_PAD]
+    q = _load_q(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, HEAD_DIM, DIM_PAD)
 
     qk_scale = scale * LOG2E
     if IS_FP8:
@@ -173,15 +194,8 @@ def _varlen_kernel(
         q, q_pos, m_i, l_i, acc, cache_ptr, table, kv_head, 0, kv_end, qk_scale, cache_kv_stride,
         BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION, STAGES,
     )  # fmt: skip
-
-    if IS_FP8:
-        acc = acc * tl.load(v_scale_ptr)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
+               HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
 
 
 @jit
@@ -237,14 +251,8 @@ def _decode_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = tok < query_len
     q_pos = seq_len - query_len + tok
-    d = tl.arange(0, DIM_PAD)
-    d_ok = d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [ROWS, DIM_PAD]
+    q = _load_q(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, HEAD_DIM, DIM_PAD)
 
     qk_scale = scale * LOG2E
     if IS_FP8:
@@ -259,18 +267,13 @@ def _decode_kernel(
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
-        if IS_FP8:
-            acc = acc * tl.load(v_scale_ptr)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
+                   HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
     else:
         part = (q_rows * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split  # [ROWS]
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        d = tl.arange(0, DIM_PAD)
         tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
 
 
