@@ -80,7 +80,7 @@ def verify(
             target,
             drafts,
             _draft_probs(requests, rows, drafts, k, vocab, device),
-            temperatures,
+            temperatures.float(),
             seeds,
             positions,
             num_draft,
@@ -111,7 +111,7 @@ def _step_inputs(
     """On the device, in one copy: the row index [R, K+1] into the step's concatenated target
     rows (request i's row j <= n_i at offset_i + j; rows past n_i repeat its last row, masked
     off by num_draft), the drafts [R, K] (0-padded), num_draft [R], seeds [R], positions [R],
-    and `temperatures` [R] (fp32; carried as float64 bits)."""
+    and `temperatures` [R] (a float64 view of the copy: no kernel until a sampled path converts)."""
     num = len(requests)
     n = np.fromiter((r.num_spec_tokens for r in requests), np.int64, num)
     # [index K+1 | drafts K | n | seed | position | temperature]
@@ -126,9 +126,9 @@ def _step_inputs(
     host[:, 2 * k + 3] = [r.sampling.position for r in requests]  # type: ignore[union-attr]
     host[:, 2 * k + 4] = np.asarray(temperatures, np.float64).view(np.int64)
     packed = host_to_device(torch.from_numpy(host), device)
-    temps = packed[:, 2 * k + 4].view(torch.float64).float()
     return (packed[:, : k + 1], packed[:, k + 1 : 2 * k + 1], packed[:, 2 * k + 1],
-            packed[:, 2 * k + 2], packed[:, 2 * k + 3], temps)  # fmt: skip
+            packed[:, 2 * k + 2], packed[:, 2 * k + 3],
+            packed[:, 2 * k + 4].view(torch.float64))  # fmt: skip
 
 
 def shards_cover(requests: Sequence[ScheduledRequest], vocab_size: int) -> bool:
@@ -202,7 +202,7 @@ def verify_from_shards(
         drafts,
         draft_logprobs,
         draft_lse,
-        temperatures,
+        temperatures.float(),
         seeds,
         positions,
         num_draft,
