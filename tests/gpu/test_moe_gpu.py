@@ -298,7 +298,10 @@ def test_tiny_model_bf16_logits_close(tiny_moe_dirs):
 
 @pytest.mark.parametrize("compile_", [False, True])
 def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
-    """The packed path inside the engine's CUDA graphs (and torch.compile) gives the eager tokens."""
+    """The packed path inside the engine's CUDA graphs (and torch.compile) gives the eager tokens.
+
+    Static tiles in both sessions, so only graphs vs eager differs (tuned tiles in graphs:
+    test_moe_tiles_gpu.py); tuning would also time every bucket's candidates twice here."""
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -308,7 +311,7 @@ def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
         with Session(
             str(tiny_moe_dirs["bf"]), device="cuda", dtype="float32", max_num_seqs=8,
             max_model_len=256, cudagraph_mode=mode, torch_compile=comp,
-            moe_weight_format="nvfp4", progress=False,
+            moe_weight_format="nvfp4", tune_moe_tiles=False, progress=False,
         ) as s:  # fmt: skip
             assert any(isinstance(m, QuantFusedMoE) for m in s.engine.model.modules())
             if mode != "NONE":
@@ -331,7 +334,7 @@ def _fp8_scales(layer, x, ids):
     fmt, w13, s13, g13, *_ = layer
     t = x.shape[0]
     x_scale = (x.float().abs().amax() / 448).reshape(1)
-    cfg = M.default_tile_config(t)
+    cfg = M.DECODE_CONFIG if t <= 64 else M.PREFILL_CONFIG  # the sorted path's ops
     align = M.moe_align_block_size(ids, E, cfg.block_m)
     inter = torch.empty(t * TOP_K, INTER, dtype=torch.bfloat16, device=DEV)
     M.moe_w4a16_gate_up(x, w13, s13, g13, *align, inter, TOP_K, fmt, cfg.block_m, cfg.block_n,
