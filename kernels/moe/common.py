@@ -124,6 +124,15 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @jit
+def _global_scale(g_ptr, index, IS_NVFP4: tl.constexpr):
+    """Global scale `index` of an NVFP4 weight (fp32); MXFP4 weights have none: 1.0."""
+    scale = 1.0
+    if IS_NVFP4:
+        scale = tl.load(g_ptr + index)
+    return scale
+
+
+@jit
 def _silu_mul(acc_gate, acc_up, DT: tl.constexpr):
     """SiLU(gate) * up in DT from fp32 accumulators, each projection rounded to DT first, as the
     unfused linear and the dequantized reference round them."""

@@ -6,7 +6,16 @@ import torch
 import triton.language as tl
 
 from .._jit import check_device, jit
-from .common import GROUP, MoeTileConfig, _check_rows, _check_w4, _err, _routed, _silu_mul
+from .common import (
+    GROUP,
+    MoeTileConfig,
+    _check_rows,
+    _check_w4,
+    _err,
+    _global_scale,
+    _routed,
+    _silu_mul,
+)
 from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_value
 
 # --------------------------------------------------------------------------------------------------
@@ -68,6 +77,16 @@ def _gemv_step(x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.
 
 
 @jit
+def _pair_tile(ids_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (token, expert) pair (grid axis 0), its expert, and its N rows (axis 1)
+    with their mask."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, expert, n, n < N
+
+
+@jit
 def _gate_up_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -91,19 +110,13 @@ def _gate_up_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     x_row = x_ptr + (pair // TOP_K) * stride_xt
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    g_gate = 1.0
-    g_up = 1.0
-    if IS_NVFP4:
-        g_gate = tl.load(g_ptr + expert * 2)
-        g_up = tl.load(g_ptr + expert * 2 + 1)
+    g_gate = _global_scale(g_ptr, expert * 2, IS_NVFP4)
+    g_up = _global_scale(g_ptr, expert * 2 + 1, IS_NVFP4)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -141,16 +154,11 @@ def _down_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
     DT: tl.constexpr = a_ptr.dtype.element_ty
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    gscale = 1.0
-    if IS_NVFP4:
-        gscale = tl.load(g_ptr + expert)
+    gscale = _global_scale(g_ptr, expert, IS_NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ae, ao, w_ptrs, s_ptrs, wmask, smask = _gemv_step(

@@ -196,6 +196,15 @@ ALIGN_CHUNK_GROUP = 32  # chunks per step of the prefix kernel's loops
 
 
 @jit
+def _chunk_hits(ids_ptr, num_pairs, pid, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk `pid`'s pair indices [CHUNK] and which expert each pair picks [CHUNK, E_PAD]
+    (0/1 int32; pairs past num_pairs pick none)."""
+    p = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    return p, (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+
+
+@jit
 def _align_count_kernel(
     ids_ptr,
     counts_ptr,  # [num_chunks, E_PAD] int32 out
@@ -205,9 +214,7 @@ def _align_count_kernel(
 ):
     pid = tl.program_id(0)
     e = tl.arange(0, E_PAD)
-    p = pid * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
-    hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    p, hit = _chunk_hits(ids_ptr, num_pairs, pid, E_PAD, CHUNK)
     tl.store(counts_ptr + pid * E_PAD + e, tl.sum(hit, axis=0))
 
 
@@ -263,9 +270,7 @@ def _align_scatter_kernel(
 ):
     pid = tl.program_id(0)
     e = tl.arange(0, E_PAD)
-    p = pid * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
-    hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    p, hit = _chunk_hits(ids_ptr, num_pairs, pid, E_PAD, CHUNK)
     rank = tl.cumsum(hit, axis=0) - hit
     base = tl.load(base_ptr + pid * E_PAD + e)
     pos = tl.sum(hit * (base[None, :] + rank), axis=1)

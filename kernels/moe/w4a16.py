@@ -14,6 +14,7 @@ from .common import (
     _check_rows,
     _check_w4,
     _err,
+    _global_scale,
     _precision,
     _routed,
     _silu_mul,
@@ -90,11 +91,8 @@ def _gate_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    g_gate = 1.0
-    g_up = 1.0
-    if IS_NVFP4:
-        g_gate = tl.load(g_ptr + expert * 2)
-        g_up = tl.load(g_ptr + expert * 2 + 1)
+    g_gate = _global_scale(g_ptr, expert * 2, IS_NVFP4)
+    g_up = _global_scale(g_ptr, expert * 2 + 1, IS_NVFP4)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -155,9 +153,7 @@ def _down_kernel(
     pair64 = pair.to(tl.int64)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    gscale = 1.0
-    if IS_NVFP4:
-        gscale = tl.load(g_ptr + expert)
+    gscale = _global_scale(g_ptr, expert, IS_NVFP4)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk, kmask, w_ptrs, s_ptrs, wmask, smask = _w4_step(

@@ -13,6 +13,7 @@ from .common import (
     _check_rows,
     _check_w4,
     _err,
+    _global_scale,
 )
 from .dequant import _e2m1_e4m3_bits, _scale_value
 from .routing import _check_tiles, _tile_pairs, moe_align_block_size
@@ -140,11 +141,8 @@ def _w4a8_gate_up_kernel(
     shift = ((r & 1) * 4)[:, None]
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    g_gate = 1.0
-    g_up = 1.0
-    if IS_NVFP4:
-        g_gate = tl.load(g_ptr + expert * 2)
-        g_up = tl.load(g_ptr + expert * 2 + 1)
+    g_gate = _global_scale(g_ptr, expert * 2, IS_NVFP4)
+    g_up = _global_scale(g_ptr, expert * 2 + 1, IS_NVFP4)
     wmask = nmask[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -205,9 +203,7 @@ def _w4a8_down_kernel(
     shift = ((r & 1) * 4)[:, None]
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    gscale = 1.0
-    if IS_NVFP4:
-        gscale = tl.load(g_ptr + expert)
+    gscale = _global_scale(g_ptr, expert, IS_NVFP4)
     wmask = nmask[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
