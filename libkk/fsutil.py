@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -19,10 +20,20 @@ from typing import Any
 
 import msgspec
 
+from libkk.errors import CorruptCheckpointError
+
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1  # bump when the `files` layout changes
 
 _CHUNK = 8 << 20  # bytes hashed at a time
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in `path` (a checkpoint's config file); CorruptCheckpointError if unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
 
 
 def sha256_file(path: Path) -> str:

@@ -31,6 +31,7 @@ from libkk.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from libkk.fsutil import read_json
 from libkk.layers.quant_moe import MoeOptions, finalize_moe_layers, moe_options
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
@@ -205,10 +206,7 @@ def _read_quant_config(model_dir: Path) -> dict | None:
     path = model_dir / QUANT_CONFIG
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    config = read_json(path)
     if str(config.get("quant_algo", "")).upper() not in ("NVFP4", "MXFP4"):
         raise UnsupportedModelError(
             f"{str(path)!r}: quant_algo {config.get('quant_algo')!r} is not supported "
@@ -240,10 +238,7 @@ def read_arch_config(model_dir: Path) -> ArchConfig:
     path = Path(model_dir) / CONFIG_FILE
     if not path.is_file():
         raise ModelNotFoundError(f"{str(path)!r} not found: a model folder needs a config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{str(path)!r} must hold a JSON object")
     return parse_arch_config(raw, source=str(path))

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from libkk.errors import ConfigError, CorruptCheckpointError, ModelNotFoundError
+from libkk.fsutil import read_json
 from libkk.layers.linear import (
     WHOLE,
     ColumnParallelLinear,
@@ -365,10 +366,7 @@ def read_drafter_config(folder: str | Path) -> DFlashConfig:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise ModelNotFoundError(f"DFlash drafter {str(folder)!r} has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{str(path)!r} is not readable JSON: {e}") from None
+    raw = read_json(path)
     return DFlashConfig.from_json(raw, source=str(path))
 
 
