@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from libkk.errors import SpeculationInputError
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax, keyed_uniform_at
 
 # Added to positions for the acceptance uniforms: distinct from the target stream (0) and the
@@ -167,10 +168,14 @@ def _check(
             raise ValueError(
                 f"{name} must be [{num_rows}] {dtype or ''}, got {t.dtype} {tuple(t.shape)}"
             )
-    if not check_ranges:  # the caller built num_draft and temperatures: no device read
-        return num_rows, k1, vocab_size
-    if bool(((num_draft < 0) | (num_draft > k1 - 1)).any()):
-        raise ValueError(f"num_draft must lie in [0, {k1 - 1}], got {num_draft.tolist()}")
-    if bool((temperatures < 0).any()):
-        raise ValueError("temperatures must be >= 0")
+    if check_ranges:  # else the caller built num_draft and temperatures: no device read
+        check_value_ranges(num_draft, k1 - 1, temperatures)
     return num_rows, k1, vocab_size
+
+
+def check_value_ranges(num_draft: Tensor, k: int, temperatures: Tensor) -> None:
+    """num_draft in [0, k] and temperatures >= 0; reads both on the host (a wait for the device)."""
+    if bool(((num_draft < 0) | (num_draft > k)).any()):
+        raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {num_draft.tolist()}")
+    if bool((temperatures < 0).any()):
+        raise SpeculationInputError("temperatures must be >= 0")

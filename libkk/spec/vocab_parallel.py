@@ -67,7 +67,7 @@ from libkk.sample.gumbel import (
     keyed_uniform_at,
     uniform_to_gumbel_,
 )
-from libkk.sample.rejection import ACCEPT_POSITION_SALT
+from libkk.sample.rejection import ACCEPT_POSITION_SALT, check_value_ranges
 from libkk.sample.sampler import SamplingRow
 from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
 
@@ -502,10 +502,8 @@ def vocab_parallel_rejection_sample(
     _check_rows(
         num_rows, temperatures=temperatures, seeds=seeds, positions=positions, num_draft=num_draft
     )
-    if check_ranges and bool(((num_draft < 0) | (num_draft > k)).any()):
-        raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {num_draft.tolist()}")
-    if check_ranges and bool((temperatures < 0).any()):
-        raise SpeculationInputError("temperatures must be >= 0")
+    if check_ranges:
+        check_value_ranges(num_draft, k, temperatures)
     for name, t in (("draft_logprobs", draft_logprobs), ("draft_lse", draft_lse)):
         if t is not None and t.shape != (num_rows, k):
             raise SpeculationInputError(f"{name} must be [{num_rows}, {k}], got {tuple(t.shape)}")
