@@ -1,9 +1,10 @@
 """Keeping Python's garbage collector off the start-up objects.
 
-A compiled model leaves several hundred thousand long-lived Python objects (FX graphs, guards,
-Inductor and Triton state). A full collection walks all of them: hundreds of milliseconds
-(635 ms on the development machine after compiling a 36-block model), and the first one comes
-during the first requests, since everything start-up allocated is still counted as new. Like
+A loaded model and its libraries leave hundreds of thousands of long-lived Python objects (about
+309,000 for a tiny model on the CPU, where a full collection took 138 ms: benchmarks/gc_pause.py),
+and compiling adds FX graphs, guards, Inductor and Triton state. A full collection walks all of
+them, and the first one comes during the first requests, since everything start-up allocated is
+still counted as new. Like
 vLLM and SGLang, libkk collects once when a model is ready and moves every live object into the
 collector's permanent generation (`gc.freeze`), so later collections only walk what steps
 allocate. Frozen objects are not collected while frozen: a session that closes unfreezes, collects
