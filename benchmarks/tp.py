@@ -23,6 +23,7 @@ vocab shards (the full-vocab case gathers whole rows for both).
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting --draft-temperature 1
     python benchmarks/tp.py --shapes qwen3-30b-a3b --experts nvfp4 --tp 1 2
+    python benchmarks/tp.py --shapes qwen3-8b --tp 2 --profile    (rank 0's kernels and host ops)
 """
 
 from __future__ import annotations
@@ -126,7 +127,27 @@ def run_case(args: argparse.Namespace) -> dict:
             "tok_per_s": args.prefill_len * 1e3 / statistics.median(ttft),
         }
         print(f"  prefill {args.prefill_len}: {statistics.median(ttft):.1f} ms", flush=True)
+        if args.profile:
+            profile_prefill(s, decode.prompts(1, args.prefill_len, vocab, seed=999))
+            decode.profile_decode(s, decode.prompts(1, args.prompt, vocab), args.tokens)
     return result
+
+
+def profile_prefill(session, ids: list[list[int]]) -> None:
+    """Rank 0's kernels over one prefill (first token only): at TP > 1 a long NCCL kernel is
+    rank 0 waiting for a slower peer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from libkk import SamplingParams
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        session.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+    print("prefill " + decode.device_timeline(prof, 1))
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main() -> None:
@@ -142,6 +163,7 @@ def main() -> None:
     ap.add_argument("--experts", choices=["bf16", "nvfp4", "mxfp4"], default="bf16",
                     help="MoE shapes: experts written pre-quantized (kept packed at every TP)")  # fmt: skip
     ap.add_argument("--compile", action="store_true", help="torch.compile (slow cold start)")
+    ap.add_argument("--profile", action="store_true", help="rank 0's prefill and decode profile")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after")
     ap.add_argument("--case-timeout-s", type=float, default=300.0)
     ap.add_argument("--dir", default="/tmp/libkk-bench")
@@ -233,8 +255,7 @@ def _run_subprocess(
     for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers", "draft_temperature"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
-    if args.compile:
-        cmd.append("--compile")
+    cmd += ["--compile"] * args.compile + ["--profile"] * args.profile
     print(f"{shape} TP={tp}: {' '.join(cmd[1:])}", flush=True)
     # A new session: a hung case is killed with its tensor-parallel workers.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)

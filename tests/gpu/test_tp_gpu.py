@@ -187,9 +187,11 @@ def test_a_graph_session_closes_and_the_next_one_starts(tiny_qwen3_dir):
                           cudagraph_mode="FULL_DECODE_ONLY", torch_compile=False, progress=False,
                           worker_timeout_s=60.0)  # fmt: skip
         procs = session.engine.executor.procs
-        outputs.append(session.generate([[5, 6, 7]], params).token_ids)
-        start = time.monotonic()
-        session.close()
+        try:
+            outputs.append(session.generate([[5, 6, 7]], params)[0].token_ids)
+        finally:
+            start = time.monotonic()
+            session.close()
         assert time.monotonic() - start < CLOSE_S
         assert all(p.exitcode == 0 for p in procs)  # the worker left its loop and exited itself
         assert not torch.distributed.is_initialized()
