@@ -425,6 +425,11 @@ class TPExecutor:
                 broadcast_object(None)  # workers leave their loop and exit
             except Exception as e:  # noqa: BLE001 - fall through to signals
                 logger.debug("stop broadcast failed: %s", e)
+                healthy = False
+        if healthy:
+            # Together with the workers: NCCL's teardown of a communicator can wait for its
+            # peers' teardown, so a worker would not exit while this rank waits to join it.
+            destroy_tensor_parallel()
         deadline = time.monotonic() + (_STOP_GRACE_S if healthy else 0.0)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -438,7 +443,7 @@ class TPExecutor:
         for pipe in self.pipes:
             pipe.close()
         set_peer_status(None)
-        destroy_tensor_parallel()  # resets this rank's captured graphs first
+        destroy_tensor_parallel()  # (a no-op if done above) resets this rank's graphs first
 
     def __del__(self) -> None:  # an Engine that failed to start drops its executor
         try:

@@ -193,7 +193,8 @@ def test_a_graph_session_closes_and_the_next_one_starts(tiny_qwen3_dir):
             start = time.monotonic()
             session.close()
         assert time.monotonic() - start < CLOSE_S
-        assert all(p.exitcode == 0 for p in procs)  # the worker left its loop and exited itself
+        # The worker left its loop and exited itself (not stopped by a signal).
+        assert [p.exitcode for p in procs] == [0]
         assert not torch.distributed.is_initialized()
     assert outputs[0] == outputs[1]
 
