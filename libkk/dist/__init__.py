@@ -3,7 +3,6 @@
 from libkk.dist.collectives import (
     all_gather_last_dim,
     all_reduce,
-    broadcast_object,
 )
 from libkk.dist.parallel_state import (
     TPState,
@@ -30,7 +29,6 @@ __all__ = [
     "all_gather_last_dim",
     "all_reduce",
     "as_rank",
-    "broadcast_object",
     "current_phase",
     "destroy_tensor_parallel",
     "enter_phase",

@@ -1,12 +1,10 @@
 """Collectives of the tensor-parallel group; each is the identity at world size 1.
 
-Tensors of the forward pass go through the device group (NCCL on CUDA, gloo on CPU); step objects
-go through the gloo control group.
+Tensors of the forward pass go through the device group (NCCL on CUDA, gloo on CPU). Step messages
+do not: rank 0 writes them to each worker's socket (libkk/engine/executor.py).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,13 +43,3 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(state.world_size)]
     dist.all_gather(parts, x, group=state.group)
     return torch.cat(parts, dim=-1)
-
-
-def broadcast_object(obj: Any = None, src: int = 0) -> Any:
-    """Rank `src` sends a picklable object (plain step data) to every rank; all return it."""
-    state = get_tp_state()
-    if state.world_size == 1:
-        return obj
-    box = [obj if state.rank == src else None]
-    dist.broadcast_object_list(box, src=src, group=state.control_group)
-    return box[0]

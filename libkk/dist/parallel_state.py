@@ -1,4 +1,4 @@
-"""The tensor-parallel group of this process: world size, rank, the device and control groups.
+"""The tensor-parallel group of this process: world size, rank, the device and start-up groups.
 
 One group per process (torch.distributed's default group): rank 0 is the caller's process, ranks
 1..N-1 are the workers libkk starts. Before `init_tensor_parallel` (or after teardown) every query
@@ -32,19 +32,15 @@ class TPState:
     world_size: int
     backend: str  # "gloo" or "nccl": the group tensors of the forward pass go through
     group: dist.ProcessGroup | None  # the device group (None at world size 1)
-    # NOTE: step objects always travel over their own gloo group: pickled objects on NCCL would
-    # be copied to the GPU and back on every step, and its timeout (idle time between steps) is
-    # not the forward's (a rank that stops answering mid-step).
-    control_group: dist.ProcessGroup | None
     # Start-up lockstep checks (libkk/dist/startup.py) go over a gloo group of their own whose
-    # collectives time out after `timeout_s`, unlike the control group's idle waits.
+    # collectives time out after `timeout_s`.
     startup_group: dist.ProcessGroup | None = None
     timeout_s: float = 0.0
 
 
 logger = logging.getLogger(__name__)
 
-_SINGLE = TPState(rank=0, world_size=1, backend="none", group=None, control_group=None)
+_SINGLE = TPState(rank=0, world_size=1, backend="none", group=None)
 _state: TPState = _SINGLE
 # CUDA graphs that captured collectives of the current group (weak: a graph freed with its
 # runner needs no reset).
@@ -98,8 +94,6 @@ def init_tensor_parallel(
         **kwargs,
     )  # fmt: skip
     group = dist.group.WORLD
-    # Workers wait on the control group between steps, for as long as the caller is idle.
-    control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
     startup = dist.new_group(backend="gloo", timeout=timeout)
     if backend == "nccl":
         # One eager collective on every rank before anything is captured: NCCL connects its
@@ -116,7 +110,6 @@ def init_tensor_parallel(
         world_size=world_size,
         backend=backend,
         group=group,
-        control_group=control,
         startup_group=startup,
         timeout_s=timeout_s,
     )
@@ -192,7 +185,7 @@ def as_rank(rank: int, size: int) -> Iterator[None]:
     inside."""
     global _state
     previous = _state
-    _state = TPState(rank=rank, world_size=size, backend="gloo", group=None, control_group=None)
+    _state = TPState(rank=rank, world_size=size, backend="gloo", group=None)
     try:
         yield
     finally:

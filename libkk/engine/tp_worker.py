@@ -1,7 +1,7 @@
 """A tensor-parallel worker process (ranks 1..N-1): started by `TPExecutor` as a fresh interpreter
 running `worker_entry`, it joins the group, loads its part of the model, builds the same runner
-and proposer as rank 0, then carries out every broadcast step and proposer call until rank 0
-sends the stop message."""
+and proposer as rank 0, then carries out every step and proposer call rank 0 sends over its socket
+until the stop message."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 
 from libkk.config import EngineConfig
 from libkk.dist import (
-    broadcast_object,
     destroy_tensor_parallel,
     enter_phase,
     init_tensor_parallel,
@@ -108,7 +107,7 @@ def _worker_main(
             calibrate_kv_scales_on_first_prefill(model)
         conn.send(("loaded",))
         enter_phase("wait for the KV cache plan")
-        plan = broadcast_object(None)
+        plan = conn.recv()
         enter_phase("allocate the KV cache and build the proposer")
         cache = config.cache
         kv_dtype = torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else dtype
@@ -161,7 +160,7 @@ def _worker_main(
         conn.send(("ready",))
         # Context hidden states of the steps since the last proposer calls, by request.
         aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
-        while (msg := broadcast_object(None)) is not None:
+        while (msg := conn.recv()) is not None:
             if isinstance(msg, ProposerCalls):
                 assert proposer is not None
                 for call in msg.calls:
