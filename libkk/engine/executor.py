@@ -10,10 +10,10 @@ calls):
     runner = executor.wrap(runner)                      waits until every worker is ready
 
 Each step, `TPModelRunner.execute` sends the plain-data SchedulerOutput to every worker over its
-socket (`TPExecutor.send`: pickled once, then written to each), then every rank runs its
-ModelRunner on it; the forward's collectives keep them in step. A socket, not a gloo broadcast:
-a gloo broadcast of a small object took ~430 µs on the CPU, the socket ~45 µs one way
-(benchmarks/step_messages.py).
+socket (`TPExecutor.send`: pickled once, then written to each; encoded as deltas against the
+previous step, libkk/engine/step_codec.py), then every rank runs its ModelRunner on it; the
+forward's collectives keep them in step. A socket, not a gloo broadcast of the object: the
+broadcast's round trip was ~6x longer at batch 1 (benchmarks/step_messages.py).
 Every rank computes the full-vocabulary logits (greedy rows: the argmax from vocabulary shards);
 rank 0's sampled tokens are the step's result.
 
@@ -74,6 +74,7 @@ from libkk.dist import (
     init_tensor_parallel,
     set_peer_status,
 )
+from libkk.engine.step_codec import StepEncoder
 from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
@@ -172,6 +173,7 @@ class TPExecutor:
         self._runner: ModelRunner | None = None
         self._closed = False
         self._ready = False  # every worker is in its step loop (a stop message reaches it)
+        self._steps = StepEncoder()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         config_json = msgspec.json.encode(config)
         self.procs: list[_WorkerProcess] = []
@@ -251,7 +253,7 @@ class TPExecutor:
         self.check_alive()
 
         def step() -> ModelRunnerOutput:
-            self.send(sched_out)
+            self.send(self._steps.encode(sched_out))
             return runner.execute(sched_out)
 
         return self.in_step(step)

@@ -31,6 +31,7 @@ from libkk.engine.executor import (
     link_vocab_parallel,
     rank_device,
 )
+from libkk.engine.step_codec import StepDecoder
 from libkk.runtime.heap import freeze_startup_objects
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
@@ -160,6 +161,7 @@ def _worker_main(
         conn.send(("ready",))
         # Context hidden states of the steps since the last proposer calls, by request.
         aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        steps = StepDecoder()
         while (msg := conn.recv()) is not None:
             if isinstance(msg, ProposerCalls):
                 assert proposer is not None
@@ -171,7 +173,7 @@ def _worker_main(
                     apply_proposer_call(proposer, call, hidden)
                 aux_hidden.clear()
             else:
-                aux_hidden.update(runner.execute(msg).aux_hidden)
+                aux_hidden.update(runner.execute(steps.decode(msg)).aux_hidden)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process exits
         code = 1
         try:

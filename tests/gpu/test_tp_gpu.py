@@ -25,7 +25,7 @@ pytestmark = [
 CLOSE_S = 30.0  # a close that waits for NCCL's teardown of a live graph never ends
 
 
-def _generate(path, prompts, tp, mode, compile_):
+def _generate(path, prompts, tp, mode, compile_, **options):
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -40,6 +40,7 @@ def _generate(path, prompts, tp, mode, compile_):
         torch_compile=compile_,
         progress=False,
         worker_timeout_s=120.0,
+        **options,
     )
     try:
         if tp > 1:
@@ -206,13 +207,15 @@ def test_packed_moe_at_tp2_greedy_equals_tp1(tiny_moe_dirs):
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (3, 17, 60)]
-    reference = _generate(tiny_moe_dirs["nvfp4"], prompts, 1, "FULL_DECODE_ONLY", False)
+    # Untuned tiles: each rank's tile tuning times its kernels per batch size, minutes here.
+    reference = _generate(tiny_moe_dirs["nvfp4"], prompts, 1, "FULL_DECODE_ONLY", False,
+                          tune_moe_tiles=False)  # fmt: skip
     from libkk import SamplingParams, Session
 
     session = Session(str(tiny_moe_dirs["nvfp4"]), device="cuda", dtype="float32",
                       tensor_parallel_size=2, max_num_seqs=8, max_model_len=512,
                       cudagraph_mode="FULL_DECODE_ONLY", torch_compile=False, progress=False,
-                      worker_timeout_s=120.0)  # fmt: skip
+                      worker_timeout_s=120.0, tune_moe_tiles=False)  # fmt: skip
     try:
         experts = session.engine.model.model.layers[0].mlp.experts
         assert isinstance(experts, QuantFusedMoE) and experts.intermediate_size == 64
