@@ -311,11 +311,6 @@ def _check_async_scheduling(config: EngineConfig) -> None:
             f"async_scheduling does not support speculative decoding yet (method="
             f"{config.speculative.method!r}): proposers need the sampled tokens on the host"
         )
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError(
-            f"async_scheduling does not support tensor_parallel_size > 1 yet (got "
-            f"{config.parallel.tensor_parallel_size})"
-        )
     if config.model.shared_host_tables:
         raise ValueError(
             "async_scheduling does not support shared_host_tables: its embedding rows are "

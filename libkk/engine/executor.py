@@ -78,7 +78,7 @@ from libkk.engine.step_codec import StepEncoder
 from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
-from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
 
@@ -257,6 +257,18 @@ class TPExecutor:
             return runner.execute(sched_out)
 
         return self.in_step(step)
+
+    def launch_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> _WatchedLaunch:
+        """`run_step` for async scheduling: every rank launches the step (and samples its tokens
+        on its own device). Waiting for rank 0's tokens is watched like a step: the device may
+        be waiting on a peer that died."""
+        self.check_alive()
+
+        def step() -> LaunchedStep:
+            self.send(self._steps.encode(sched_out))
+            return runner.launch(sched_out)
+
+        return _WatchedLaunch(self.in_step(step), self)
 
     def send(self, message: Any) -> None:
         """Sends every worker a message (a step, proposer calls, the KV cache plan, or None to
@@ -477,8 +489,26 @@ class TPModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.executor.run_step(self.runner, sched_out)
 
+    def launch(self, sched_out: SchedulerOutput) -> _WatchedLaunch:
+        return self.executor.launch_step(self.runner, sched_out)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
+
+
+class _WatchedLaunch:
+    """Rank 0's launched step under tensor parallelism: `wait` runs as a step of the executor.
+    Every other attribute is the LaunchedStep's."""
+
+    def __init__(self, launched: LaunchedStep, executor: TPExecutor) -> None:
+        self.launched = launched
+        self.executor = executor
+
+    def wait(self) -> ModelRunnerOutput:
+        return self.executor.in_step(self.launched.wait)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.launched, name)
 
 
 @dataclasses.dataclass

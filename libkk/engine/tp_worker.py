@@ -162,6 +162,9 @@ def _worker_main(
         # Context hidden states of the steps since the last proposer calls, by request.
         aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
         steps = StepDecoder()
+        # Async scheduling: every rank samples each step's tokens on its own device (the same
+        # tokens: the same gathered logits and keyed noise) for the next step's inputs.
+        launch_steps = config.scheduler.async_scheduling
         while (msg := conn.recv()) is not None:
             if isinstance(msg, ProposerCalls):
                 assert proposer is not None
@@ -172,6 +175,8 @@ def _worker_main(
                         assert start == call[2], (call, start)
                     apply_proposer_call(proposer, call, hidden)
                 aux_hidden.clear()
+            elif launch_steps:
+                runner.launch(steps.decode(msg))
             else:
                 aux_hidden.update(runner.execute(steps.decode(msg)).aux_hidden)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process exits

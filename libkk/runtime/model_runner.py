@@ -308,9 +308,17 @@ class ModelRunner:
         if not request_ids:
             self._in_flight_ids, self._in_flight_rows = None, {}
             return LaunchedStep([], torch.empty(0, dtype=torch.int64), None)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        token_ids = sample_token_ids(logits, batch.sampling_rows)  # [S] int64, on the device
-        logprobs = logprob_tensors(logits, token_ids, batch.sampling_rows)
+        rows = batch.sampling_rows
+        if get_tp_size() > 1 and all(r.takes_raw_argmax() for r in rows):
+            # As in `execute`: every rank takes the argmax from vocabulary shards.
+            token_ids = self.model.greedy_tokens(hidden[batch.logits_indices])  # [S] int64
+            logprobs = None
+        else:
+            # At TP > 1 every rank gathers the same whole rows and samples the same tokens
+            # (keyed noise): each keeps its own in-flight ids for the next step's inputs.
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+            token_ids = sample_token_ids(logits, rows)  # [S] int64, on the device
+            logprobs = logprob_tensors(logits, token_ids, rows)
         self._in_flight_ids = token_ids
         self._in_flight_rows = {rid: i for i, rid in enumerate(request_ids)}
         copied = None

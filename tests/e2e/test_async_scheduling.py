@@ -284,8 +284,6 @@ def test_config_errors():
     assert not EngineConfig().scheduler.async_scheduling
     with pytest.raises(ConfigError, match="speculative decoding"):
         EngineConfig.from_settings(async_scheduling=True, speculative={"method": "ngram"})
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig.from_settings(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="shared_host_tables"):
         EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
     with pytest.raises(ConfigError, match="async_scheduling"):

@@ -145,6 +145,24 @@ def test_tp3_matches_tp1(model_dirs):
     _assert_workers_gone(session)
 
 
+def test_async_scheduling_at_tp2_matches_sync_tp1(model_dirs):
+    """Async scheduling at TP=2: every rank samples each step's tokens on its own device and
+    feeds them to its next step. Rows taking the argmax from vocab shards, greedy rows with
+    logprobs and seeded top-p rows give TP=1's synchronous tokens."""
+    batches = [
+        [SamplingParams(max_tokens=10, temperature=0.0)] * len(PROMPTS),  # argmax from shards
+        [GREEDY, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3),
+         SamplingParams(max_tokens=10, temperature=1.2, seed=4)],
+    ]  # fmt: skip
+
+    def run(tp: int, async_scheduling: bool) -> list[list[list[int]]]:
+        with Session(str(model_dirs["qwen3"]), tensor_parallel_size=tp,
+                     async_scheduling=async_scheduling, **SETTINGS) as session:  # fmt: skip
+            return [[o.token_ids for o in session.generate(PROMPTS, p)] for p in batches]
+
+    assert run(2, True) == run(1, False)
+
+
 def test_tp4_matches_tp1_with_replicated_kv_heads(model_dirs):
     session = Session(str(model_dirs["llama"]), tensor_parallel_size=4, **SETTINGS)
     try:
@@ -163,8 +181,10 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(model_dirs):
     _assert_workers_gone(session)
 
 
-def test_a_killed_worker_fails_the_session_quickly(model_dirs):
-    session = Session(str(model_dirs["llama"]), tensor_parallel_size=2, **SETTINGS)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_killed_worker_fails_the_session_quickly(model_dirs, async_scheduling):
+    session = Session(str(model_dirs["llama"]), tensor_parallel_size=2,
+                      async_scheduling=async_scheduling, **SETTINGS)  # fmt: skip
     try:
         first = session.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(first.token_ids) == 3

@@ -76,6 +76,16 @@ def test_tp2_greedy_equals_tp1(tiny_qwen3_dir, mode, compile_):
     assert _generate(tiny_qwen3_dir, prompts, 2, mode, compile_) == reference
 
 
+def test_async_scheduling_at_tp2_equals_sync_tp1(tiny_qwen3_dir):
+    """Async scheduling with FULL graphs at TP=2: each rank feeds its own sampled ids (the argmax
+    from vocab shards) to its next replayed step, and the tokens are TP=1's synchronous ones."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (4, 33, 70)]
+    reference = _generate(tiny_qwen3_dir, prompts, 1, "NONE", False)
+    got = _generate(tiny_qwen3_dir, prompts, 2, "FULL_DECODE_ONLY", False, async_scheduling=True)
+    assert got == reference
+
+
 @pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY"])
 def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir, mode):
     """NCCL does not notice a dead peer by itself: the executor aborts the group, the step
