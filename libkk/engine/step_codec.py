@@ -115,7 +115,7 @@ class StepDecoder:
             if keep_blocks < 0:
                 blocks = new_blocks
             else:
-                assert last is not None, f"request {rid}: blocks sent as a delta, none held"
+                assert last is not None and len(last.block_ids) >= keep_blocks, rid
                 blocks = last.block_ids
                 del blocks[keep_blocks:]
                 blocks.extend(new_blocks)
@@ -129,6 +129,7 @@ class StepDecoder:
                     state.static, state.output_token_ids = static, []
                 assert state.static is not None, f"request {rid}: a row with no parameters held"
                 outputs = state.output_token_ids
+                assert len(outputs) >= keep, rid
                 del outputs[max(keep, 0) :]
                 outputs.extend(tail)
                 params, seed, prompt = state.static
