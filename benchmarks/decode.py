@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from floors import copy_bandwidth
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -185,20 +186,6 @@ def step_bytes(cfg: dict, weights_bytes: int, experts: str, batch: int, context:
         total -= (e - touched) * layers * expert_bytes(cfg, experts)
     kv_per_token = 2 * layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     return total + batch * context * kv_per_token
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -27,6 +27,7 @@ import time
 import traceback
 
 import torch
+from floors import copy_bandwidth, matmul_rate, time_cuda
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = (1, 4, 16, 64, 256, 4096)
@@ -38,37 +39,6 @@ _deadline_s = 480.0  # stop starting new measurements after this (--budget)
 
 def _left() -> float:
     return _deadline_s - (time.monotonic() - _START)
-
-
-def time_cuda(fn, iters: int, warmup: int = 2) -> float:
-    """Mean seconds per call, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), 1 GiB buffers."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    t = time_cuda(lambda: b.copy_(a), 10)
-    return 2 * (1 << 30) / t
-
-
-def matmul_rate() -> float:
-    """bf16 FLOP/s of a large torch matmul."""
-    n = 8192
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    t = time_cuda(lambda: a @ b, 10)
-    return 2 * n**3 / t
 
 
 def quantized_layer(fmt: str, seed: int) -> dict[str, torch.Tensor]:

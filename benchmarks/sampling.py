@@ -16,6 +16,7 @@ import json
 import statistics
 
 import torch
+from floors import copy_bandwidth
 
 from libkk.sample.gumbel import gumbel_argmax, gumbel_argmax_ref
 
@@ -39,13 +40,6 @@ def median_seconds(fn, calls: int, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), 1 GiB buffers."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), calls=5, repeats=5)
 
 
 def graph_seconds(inputs: list[tuple[torch.Tensor, ...]], repeats: int) -> float:

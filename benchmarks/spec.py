@@ -39,12 +39,12 @@ from decode import (  # noqa: E402
     COMMON,
     SHAPES,
     bench_transformers,
-    copy_bandwidth,
     profile_decode,
     prompts,
     step_bytes,
     write_checkpoint,
 )
+from floors import copy_bandwidth  # noqa: E402
 
 K = 7
 ACCEPTANCE_LENGTHS = (2.0, 3.5, 5.0)

@@ -5,7 +5,11 @@ rank reading only its slices). Per (shape, TP) case, in a fresh process with a t
 
 - decode: batch 1 and 32, prompts of --prompt tokens, --tokens greedy tokens (EOS ignored); ms per
   step from the requests' timelines (after the first token);
-- prefill: one --prefill-len-token prompt, time to first token (prefix caching off).
+- prefill: one --prefill-len-token prompt, time to first token (prefix caching off);
+- floors, measured on rank 0's GPU before the session starts: a decode step reads its rank's
+  share of the bytes `decode.step_bytes` counts (÷ copy bandwidth), a prefill multiplies its
+  share of the linear layers' weights by every token (÷ bf16 matmul rate). The table gives the
+  share of the floor each figure reaches.
 
 The 30B-A3B shape runs with --moe-layers layers (48 in the real model) so that writing and
 loading it fits the run. Results are written to --out after every case, so a run cut short keeps
@@ -42,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402  (benchmarks/decode.py: shapes and the checkpoint writer)
+from floors import copy_bandwidth, matmul_rate  # noqa: E402
 
 
 def _shape_name(shape: str, moe_layers: int) -> str:
@@ -68,6 +73,7 @@ def run_case(args: argparse.Namespace) -> dict:
 
     path = Path(args.dir) / args.case_shape
     batches = args.batch
+    floors = _floors(path, args) if torch.cuda.is_available() else None  # before the KV cache
     speculative = {}
     if args.case_drafting != "none":
         speculative = {
@@ -103,6 +109,8 @@ def run_case(args: argparse.Namespace) -> dict:
         )
         result: dict = {"start_s": start_s, "decode": {}, "weights_bytes_rank0": 0}
         result["weights_bytes_rank0"] = s.engine.weights_bytes
+        if floors is not None:
+            result["floors"] = floors
         for batch in batches:
             ids = decode.prompts(batch, args.prompt, vocab, seed=batch)
             steps = []
@@ -110,6 +118,7 @@ def run_case(args: argparse.Namespace) -> dict:
                 outs = s.generate(ids, params)
                 steps.append(max(o.timeline.decode_time for o in outs) / args.tokens * 1e3)
             result["decode"][str(batch)] = {
+                "floor_ms": floors["decode_ms"][str(batch)] if floors else None,
                 "ms_per_step": statistics.median(steps),
                 "spread": [min(steps), max(steps)],
                 "tok_per_s": batch * 1e3 / statistics.median(steps),
@@ -123,6 +132,7 @@ def run_case(args: argparse.Namespace) -> dict:
             out = s.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))[0]
             ttft.append(out.timeline.time_to_first_token * 1e3)
         result["prefill"] = {
+            "floor_ms": floors["prefill_ms"] if floors else None,
             "tokens": args.prefill_len,
             "ttft_ms": statistics.median(ttft),
             "spread": [min(ttft), max(ttft)],
@@ -133,6 +143,39 @@ def run_case(args: argparse.Namespace) -> dict:
             profile_prefill(s, decode.prompts(1, args.prefill_len, vocab, seed=999))
             decode.profile_decode(s, decode.prompts(1, args.prompt, vocab), args.tokens)
     return result
+
+
+def _linear_params(cfg: dict) -> int:
+    """Weights one token multiplies through (attention, then the MLP or its top-k experts and
+    the router), over every layer of the whole model."""
+    h, heads, kv, hd = (cfg["hidden_size"], cfg["num_attention_heads"],
+                        cfg["num_key_value_heads"], cfg["head_dim"])  # fmt: skip
+    attention = h * hd * (heads + 2 * kv) + heads * hd * h
+    if "num_experts" in cfg:
+        mlp = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
+        mlp += h * cfg["num_experts"]
+    else:
+        mlp = 3 * h * cfg["intermediate_size"]
+    return cfg["num_hidden_layers"] * (attention + mlp)
+
+
+def _floors(path: Path, args: argparse.Namespace) -> dict:
+    """A rank's floors, measured on its GPU: a decode step per batch reads its share of the bytes
+    `decode.step_bytes` counts (÷ copy bandwidth); the prefill multiplies its share of the linear
+    layers' weights by every prompt token (÷ bf16 matmul rate; attention's FLOPs left out)."""
+    cfg = json.loads((path / "config.json").read_text())
+    tp = args.case_tp
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    torch.cuda.empty_cache()
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    context = args.prompt + args.tokens // 2
+    decode_ms = {
+        str(b): decode.step_bytes(cfg, weights, args.experts, b, context) / tp / bandwidth * 1e3
+        for b in args.batch
+    }
+    prefill_ms = 2 * args.prefill_len * _linear_params(cfg) / tp / rate * 1e3
+    return {"copy_GBps": bandwidth / 1e9, "matmul_TFLOPs": rate / 1e12,
+            "decode_ms": decode_ms, "prefill_ms": prefill_ms}  # fmt: skip
 
 
 def profile_prefill(session, ids: list[list[int]]) -> None:
@@ -255,7 +298,15 @@ def _run_subprocess(
 ) -> dict:
     cmd = [sys.executable, __file__, "--case-shape", shape, "--case-tp", str(tp)]
     cmd += ["--case-drafting", drafting]
-    for flag in ("prompt", "tokens", "prefill_len", "repeats", "moe_layers", "draft_temperature"):
+    for flag in (
+        "prompt",
+        "tokens",
+        "prefill_len",
+        "repeats",
+        "moe_layers",
+        "draft_temperature",
+        "experts",
+    ):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
     cmd += ["--compile"] * args.compile + ["--profile"] * args.profile
@@ -279,20 +330,27 @@ def _run_subprocess(
 
 
 def _print_table(report: dict) -> None:
+    """ms per step (and per prefill) with the share of the rank's floor it reaches."""
     print(f"\ntensor parallelism, {report['gpu']} x{report['gpus']}")
     batches = report["settings"]["batch"]
-    head = "".join(f"{f'b{b} ms':>10}{f'b{b} tok/s':>12}" for b in batches)
-    print(f"{'shape':<22}{'TP':>3}{'drafting':>16}{head}{'prefill ms':>12}{'prefill tok/s':>15}")
+    head = "".join(f"{f'b{b} ms':>10}{'floor':>7}{f'b{b} tok/s':>11}" for b in batches)
+    print(f"{'shape':<24}{'TP':>3}{'drafting':>16}{head}{'prefill ms':>12}{'floor':>7}")
     for case in report["cases"]:
-        row = f"{case['shape']:<22}{case['tp']:>3}{case['drafting']:>16}"
+        row = f"{case['shape']:<24}{case['tp']:>3}{case['drafting']:>16}"
         if "error" in case:
             print(row + f"  {case['error']}")
             continue
         for b in batches:
             d = case["decode"][str(b)]
-            row += f"{d['ms_per_step']:>10.2f}{d['tok_per_s']:>12.0f}"
+            row += f"{d['ms_per_step']:>10.2f}{_share(d):>7}{d['tok_per_s']:>11.0f}"
         p = case.get("prefill")
-        print(row + (f"{p['ttft_ms']:>12.1f}{p['tok_per_s']:>15.0f}" if p else ""))
+        print(row + (f"{p['ttft_ms']:>12.1f}{_share(p):>7}" if p else ""))
+
+
+def _share(figures: dict) -> str:
+    floor = figures.get("floor_ms")
+    ms = figures.get("ms_per_step", figures.get("ttft_ms"))
+    return f"{100 * floor / ms:.0f}%" if floor else "-"
 
 
 if __name__ == "__main__":
