@@ -17,12 +17,9 @@ broadcast's round trip was ~6x longer at batch 1 (benchmarks/step_messages.py).
 Every rank computes the full-vocabulary logits (greedy rows: the argmax from vocabulary shards);
 rank 0's sampled tokens are the step's result.
 
-Speculation: every rank builds the same proposer, since a model drafter's forward runs
-collectives (DFlash splits like the target). Rank 0's proposer is a `TPProposer` that queues the
-engine's calls (remove, add_context, propose) and, at each propose or before the next step,
-broadcasts them as one `ProposerCalls`; every rank then makes the same calls in the same order.
-A worker takes each add_context's hidden states from its own step outputs (the residual stream
-is the same on every rank), so no tensor is sent. Rank 0's drafts are the ones used.
+Speculation: every rank makes the same proposer calls in step (libkk/engine/tp_proposer.py), since
+a model drafter's forward runs collectives (DFlash splits like the target). Rank 0's drafts are
+the ones used.
 
 Vocab-parallel drafting (`speculative.vocab_parallel_drafting`): each rank's DFlash proposer keeps
 its vocabulary shard of sampled drafts' logits, and each rank's runner is linked to them
@@ -47,7 +44,6 @@ resets its captured graphs before destroying the group (NCCL waits for them fore
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import pickle
@@ -75,12 +71,13 @@ from libkk.dist import (
     set_peer_status,
 )
 from libkk.engine.step_codec import StepEncoder
+from libkk.engine.tp_proposer import TPProposer, link_vocab_parallel
 from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
 from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
-from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec.base import Proposer
 
 logger = logging.getLogger("libkk")
 
@@ -509,83 +506,6 @@ class _WatchedLaunch:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.launched, name)
-
-
-@dataclasses.dataclass
-class ProposerCalls:
-    """Proposer calls rank 0 made since the last broadcast, in order: ("remove", request_id),
-    ("add_context", request_id, start_position) or ("propose", [ProposeRequest])."""
-
-    calls: list[tuple]
-
-
-class TPProposer(Proposer):
-    """Rank 0's proposer under tensor parallelism: each call is queued, then broadcast and made on
-    every rank at once (a drafter's forward is a collective). Its results are rank 0's."""
-
-    def __init__(self, proposer: Proposer, executor: TPExecutor) -> None:
-        self.proposer = proposer
-        self.executor = executor
-        self.target_layer_ids = tuple(proposer.target_layer_ids)
-        self._calls: list[tuple] = []
-        self._hidden: list[torch.Tensor | None] = []  # rank 0's add_context tensors, by call
-
-    def add_context(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
-        self._queue(("add_context", request_id, start_position), hidden)
-
-    def remove(self, request_id: str) -> None:
-        self._queue(("remove", request_id), None)
-
-    def propose(self, requests: list[ProposeRequest]) -> DraftProposal:
-        self._queue(("propose", list(requests)), None)
-        proposal = self.flush()
-        assert proposal is not None
-        return proposal
-
-    def flush(self) -> DraftProposal | None:
-        """Broadcasts the queued calls and makes them here; the last propose's result."""
-        if not self._calls:
-            return None
-        calls, hidden = self._calls, self._hidden
-        self._calls, self._hidden = [], []
-        proposal = None
-
-        def run() -> None:
-            nonlocal proposal
-            self.executor.send(ProposerCalls(calls))
-            for call, h in zip(calls, hidden, strict=True):
-                proposal = apply_proposer_call(self.proposer, call, h) or proposal
-
-        self.executor.check_alive()
-        self.executor.in_step(run)
-        return proposal
-
-    def _queue(self, call: tuple, hidden: torch.Tensor | None) -> None:
-        self._calls.append(call)
-        self._hidden.append(hidden)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.proposer, name)
-
-
-def link_vocab_parallel(runner: ModelRunner | None, proposer: Proposer) -> None:
-    """A proposer drafting from vocab shards keeps its shard of sampled drafts' logits: the
-    runner of the same rank verifies from those (every rank links alike)."""
-    if not getattr(proposer, "vocab_parallel", False):
-        return
-    if runner is None:
-        raise RuntimeError("link the vocab-parallel proposer after the runner is wrapped")
-    runner.use_vocab_parallel(proposer.shard_drafts)  # type: ignore[attr-defined]
-
-
-def apply_proposer_call(proposer: Proposer, call: tuple, hidden: torch.Tensor | None) -> Any:
-    """Makes one queued proposer call (a `ProposerCalls` entry) on this rank's proposer."""
-    kind = call[0]
-    if kind == "remove":
-        return proposer.remove(call[1])
-    if kind == "add_context":
-        return proposer.add_context(call[1], call[2], hidden)
-    return proposer.propose(call[1])
 
 
 class _WorkerProcess:

@@ -25,13 +25,9 @@ from libkk.dist import (
     init_tensor_parallel,
     set_phase_listener,
 )
-from libkk.engine.executor import (
-    ProposerCalls,
-    apply_proposer_call,
-    link_vocab_parallel,
-    rank_device,
-)
+from libkk.engine.executor import rank_device
 from libkk.engine.step_codec import StepDecoder
+from libkk.engine.tp_proposer import ProposerCalls, apply_proposer_call, link_vocab_parallel
 from libkk.runtime.heap import freeze_startup_objects
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
