@@ -20,9 +20,8 @@ from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.adaptive import AdaptiveDrafts, profile_costs
-from libkk.engine.detokenizer import IncrementalDetokenizer
 from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
-from libkk.engine.outputs import Logprob, RequestOutput
+from libkk.engine.outputs import OutputProcessor, RequestOutput
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
 from libkk.errors import (
@@ -197,9 +196,7 @@ class Engine:
             self.runner = self.executor.wrap(self.runner)
             if self.proposer is not None:  # its calls are made on every rank
                 self.proposer = self.executor.wrap_proposer(self.proposer)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, tuple[str, int]] = {}  # text and token count handed out so far
-        self._logprobs_out: dict[str, list[Logprob]] = {}  # Logprobs built so far, per request
+        self.outputs = OutputProcessor(self.tokenizer)
         self._stall_logged: set[str] = set()
         self.num_steps = 0
         # Async scheduling: the launched step whose tokens are not yet on the host.
@@ -336,10 +333,7 @@ class Engine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.params
-        )
-        self._emitted[request.request_id] = ("", 0)
+        self.outputs.add(request)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput:
@@ -549,21 +543,7 @@ class Engine:
         return merged
 
     def _process_tokens(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        _, num_emitted = self._emitted[request.request_id]
-        stop = None
-        new_tokens = request.output_token_ids[num_emitted:]
-        if not request.params.stop:  # no stop string to find: one call for the step's tokens
-            detok.update(new_tokens)
-        else:
-            # One token at a time, as without speculation: a stop string inside an accepted run
-            # drops the tokens after it.
-            for j, token in enumerate(new_tokens):
-                stop = detok.update([token])
-                if stop is not None:
-                    request.truncate_output(num_emitted + j + 1)
-                    request.timeline.num_output_tokens = request.num_output_tokens
-                    break
+        stop = self.outputs.detokenize(request)
         if stop is not None and not request.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop
@@ -574,51 +554,9 @@ class Engine:
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        rid = request.request_id
-        detok = self._detokenizers[rid]
-        text, num_emitted = self._emitted[rid]
-        delta_text = detok.take_delta()
         if request.finished:
-            delta_text += detok.flush()
-        text += delta_text
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = self._logprobs_so_far(request)
-        if request.finished:
-            del self._detokenizers[rid], self._emitted[rid]
-            self._logprobs_out.pop(rid, None)
-            self._stall_logged.discard(rid)
-        else:
-            self._emitted[rid] = (text, request.num_output_tokens)
-        return RequestOutput(
-            request_id=rid,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            delta_text=delta_text,
-            delta_token_ids=request.output_token_ids[num_emitted:],
-            finished=request.finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            error=request.error,
-            timeline=request.timeline,
-        )
-
-    def _logprobs_so_far(self, request: Request) -> list[Logprob]:
-        """Every output token's Logprob: built once per token (the output's list is a copy),
-        not again at every step."""
-        # NOTE: tokens a stop string drops were never handed out (the cut comes first), so what
-        # was built only grows.
-        built = self._logprobs_out.setdefault(request.request_id, [])
-        built.extend(
-            Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=lp.top)
-            for lp in request.output_logprobs[len(built) :]
-        )
-        return list(built)
+            self._stall_logged.discard(request.request_id)
+        return self.outputs.output(request)
 
     def _log_stalls(self) -> None:
         now = time.monotonic()
