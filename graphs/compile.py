@@ -4,7 +4,7 @@ A start with a ready entry hot-loads its torch.compile artifacts (Inductor's com
 AOTAutograd entries, autotune results) before anything compiles, so compiling becomes cache hits.
 A start without one compiles, captures, then stores what this process compiled. The entry is
 keyed by the model's config.json, the graph-relevant settings and the software/GPU versions
-(`artifacts.ArtifactKey`); see artifacts.py for the locking and READY protocol.
+(`artifact_key.ArtifactKey`); see artifacts.py for the locking and READY protocol.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from libkk.graphs.artifact_key import ArtifactKey, device_name_of
 from libkk.graphs.artifacts import (
     ArtifactCache,
     ArtifactEntry,
-    ArtifactKey,
-    device_name_of,
     load_compile_artifacts,
     save_compile_artifacts,
 )

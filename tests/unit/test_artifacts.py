@@ -18,7 +18,8 @@ from types import MappingProxyType
 import msgspec
 import pytest
 import torch
-from libkk.graphs import artifacts
+from libkk.graphs import artifact_key as keys
+from libkk.graphs.artifact_key import ArtifactKey, artifact_key, hash_source_tree
 from libkk.graphs.artifacts import (
     AUTOTUNE,
     COMPILE_ARTIFACTS,
@@ -26,10 +27,7 @@ from libkk.graphs.artifacts import (
     READY,
     ArtifactCache,
     ArtifactEntry,
-    ArtifactKey,
     Manifest,
-    artifact_key,
-    hash_source_tree,
     load_compile_artifacts,
     save_compile_artifacts,
 )
@@ -79,13 +77,13 @@ def test_key_changes_with_every_input(monkeypatch: pytest.MonkeyPatch):
         artifact_key(MODEL_CONFIG, SETTINGS, None),
     }
     with monkeypatch.context() as m:
-        m.setattr(artifacts, "source_hash", lambda: "0" * 64)
+        m.setattr(keys, "source_hash", lambda: "0" * 64)
         changed.add(artifact_key(MODEL_CONFIG, SETTINGS, "NVIDIA H200"))
     with monkeypatch.context() as m:
         m.setattr(torch, "__version__", "2.99.0")
         changed.add(artifact_key(MODEL_CONFIG, SETTINGS, "NVIDIA H200"))
     with monkeypatch.context() as m:
-        m.setattr(artifacts, "triton_version", lambda: "9.9.9")
+        m.setattr(keys, "triton_version", lambda: "9.9.9")
         changed.add(artifact_key(MODEL_CONFIG, SETTINGS, "NVIDIA H200"))
     with monkeypatch.context() as m:
         m.setattr(torch.version, "cuda", "13.9")
@@ -114,13 +112,13 @@ def test_source_hash_follows_content_not_location(tmp_path: Path):
 
 
 def test_source_hash_covers_graphs_and_kernels():
-    roots = {Path(artifacts.__file__).resolve().parent: "libkk.graphs"}
-    assert artifacts.source_hash() == artifacts.source_hash()  # cached, stable
-    assert artifacts.source_hash() != hash_source_tree(roots)
+    roots = {Path(keys.__file__).resolve().parent: "libkk.graphs"}
+    assert keys.source_hash() == keys.source_hash()  # cached, stable
+    assert keys.source_hash() != hash_source_tree(roots)
     import libkk
 
     without_graphs = hash_source_tree({Path(libkk.__file__).resolve().parent: "libkk"})
-    assert artifacts.source_hash() != without_graphs
+    assert keys.source_hash() != without_graphs
 
 
 # ---- the READY protocol -----------------------------------------------------------------------

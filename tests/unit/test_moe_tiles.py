@@ -8,7 +8,8 @@ import logging
 
 import pytest
 import torch
-from libkk.graphs.artifacts import ArtifactCache, ArtifactKey
+from libkk.graphs.artifact_key import ArtifactKey
+from libkk.graphs.artifacts import ArtifactCache
 from libkk.graphs.moe_tiles import (
     STORE_KERNELS,
     TuneProblem,
