@@ -48,6 +48,7 @@ import logging
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -153,6 +154,20 @@ def check_model_split(arch: ArchConfig, size: int) -> None:
         )
 
 
+def message_frame(message: Any) -> bytes:
+    """`message` pickled and framed as `multiprocessing.connection.Connection.send` frames it (a
+    4-byte big-endian length first), so a worker reads it with `Connection.recv`."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack("!i", len(data)) + data
+
+
+def write_frame(sock: socket.socket, frame: bytes) -> None:
+    """Writes a frame to a worker's socket with MSG_NOSIGNAL: a worker that is gone raises
+    BrokenPipeError here. A plain write would raise SIGPIPE, and a C host that embeds Python
+    keeps SIGPIPE's default action (the C ABI installs no signal handlers): it would die."""
+    sock.sendall(frame, socket.MSG_NOSIGNAL)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
@@ -175,6 +190,7 @@ class TPExecutor:
         config_json = msgspec.json.encode(config)
         self.procs: list[_WorkerProcess] = []
         self.pipes: list[Connection] = []
+        self._senders: list[socket.socket] = []  # the same sockets, to write (`write_frame`)
         self._errors: dict[int, str] = {}
         self._phases: dict[int, str] = {}  # each worker's last reported start-up phase
         self._received: dict[int, set[str]] = {}  # the kinds of message each worker sent
@@ -184,6 +200,9 @@ class TPExecutor:
             proc, pipe = _WorkerProcess.start(args)
             self.procs.append(proc)
             self.pipes.append(pipe)
+            sender = socket.socket(fileno=os.dup(pipe.fileno()))
+            sender.setblocking(True)  # (a host's socket.setdefaulttimeout must not change it)
+            self._senders.append(sender)
         _LIVE.add(self)
         # CUDA: a collective waiting for a dead peer never returns (the kernel spins), and one in
         # a CUDA graph is not timed by the NCCL watchdog; a monitor aborts the NCCL group when a
@@ -270,9 +289,9 @@ class TPExecutor:
     def send(self, message: Any) -> None:
         """Sends every worker a message (a step, proposer calls, the KV cache plan, or None to
         stop), in order; each worker's loop receives it from its socket."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for pipe in self.pipes:
-            pipe.send_bytes(data)
+        frame = message_frame(message)
+        for sock in self._senders:
+            write_frame(sock, frame)
 
     def in_step(self, fn: Any) -> Any:
         """Runs `fn` (a broadcast and the collectives after it) as a step: watched by the monitor,
@@ -463,6 +482,8 @@ class TPExecutor:
                 proc.join(2.0)
         for pipe in self.pipes:
             pipe.close()
+        for sock in self._senders:
+            sock.close()
         set_peer_status(None)
         destroy_tensor_parallel()  # (a no-op if done above) resets this rank's graphs first
 
@@ -532,9 +553,8 @@ class _WorkerProcess:
             close_fds=True,
         )
         theirs.close()
-        conn = Connection(ours.detach())
-        conn.send(args)
-        return cls(popen), conn
+        write_frame(ours, message_frame(args))
+        return cls(popen), Connection(ours.detach())
 
     @property
     def exitcode(self) -> int | None:
