@@ -122,6 +122,7 @@ def bench_gloo(repeats: int, port: int) -> dict:
 
 
 def bench_socket(repeats: int) -> tuple[dict, dict, dict]:
+    from libkk.engine.executor import message_frame, write_frame
     from libkk.engine.step_codec import StepDecoder, StepEncoder, StepMessage
 
     ours, theirs = socket.socketpair()
@@ -138,10 +139,10 @@ def bench_socket(repeats: int) -> tuple[dict, dict, dict]:
             conn.send_bytes(b"k")
         os._exit(0)
     theirs.close()
-    conn = Connection(ours.detach())
+    conn = Connection(os.dup(ours.fileno()))  # to read the answers; `ours` writes
 
     def send(message):
-        conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        write_frame(ours, message_frame(message))
 
     deltas, whole = {}, {}
     for batch, prompt in CASES:
@@ -163,6 +164,7 @@ def bench_socket(repeats: int) -> tuple[dict, dict, dict]:
                                   DecodeSteps(1, 1), repeats))  # fmt: skip
     conn.send_bytes(STOP)
     os.waitpid(pid, 0)
+    ours.close()
     return deltas, whole, floor
 
 
