@@ -13,7 +13,7 @@ Each step, `TPModelRunner.execute` sends the plain-data SchedulerOutput to every
 socket (`TPExecutor.send`: pickled once, then written to each; encoded as deltas against the
 previous step, libkk/engine/step_codec.py), then every rank runs its ModelRunner on it; the
 forward's collectives keep them in step. A socket, not a gloo broadcast of the object: the
-broadcast's round trip was ~6x longer at batch 1 (benchmarks/step_messages.py).
+broadcast's round trip was ~9x longer at batch 1 (benchmarks/step_messages.py).
 Every rank computes the full-vocabulary logits (greedy rows: the argmax from vocabulary shards);
 rank 0's sampled tokens are the step's result.
 
