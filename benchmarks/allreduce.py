@@ -25,6 +25,7 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from floors import cuda_seconds
 
 HIDDEN = 4096
 TOKENS = [1, 8, 32, 256, 2048]
@@ -34,16 +35,7 @@ ITERS = 50
 
 def _time_us(fn, iters: int = ITERS) -> list[float]:
     """Per-call microseconds of `fn` over `iters` calls, REPEATS times (CUDA events)."""
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return times
+    return [t * 1e6 for t in cuda_seconds(fn, iters, REPEATS, warmup=0)]
 
 
 def _summary(times: list[float]) -> dict:

@@ -6,18 +6,27 @@ from __future__ import annotations
 import torch
 
 
-def time_cuda(fn, iters: int, warmup: int = 2) -> float:
-    """Mean seconds per call of `fn` over `iters` back-to-back calls, measured with CUDA events."""
+def cuda_seconds(fn, calls: int, repeats: int = 1, warmup: int = 1) -> list[float]:
+    """Seconds per call of `fn`, one figure per repeat of `calls` back-to-back calls, measured
+    with CUDA events after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return times
+
+
+def time_cuda(fn, iters: int, warmup: int = 2) -> float:
+    """Mean seconds per call of `fn` over `iters` back-to-back calls (`cuda_seconds`, one repeat)."""
+    return cuda_seconds(fn, iters, warmup=warmup)[0]
 
 
 def copy_bandwidth(device: str = "cuda") -> float:

@@ -16,7 +16,7 @@ import json
 import statistics
 
 import torch
-from floors import copy_bandwidth
+from floors import copy_bandwidth, cuda_seconds
 
 from libkk.sample.gumbel import gumbel_argmax, gumbel_argmax_ref
 
@@ -28,18 +28,7 @@ ROTATE_BYTES = 256 << 20  # logits copies cycled per size: several times the L2
 
 def median_seconds(fn, calls: int, repeats: int) -> float:
     """Median over repeats of the mean time of `calls` back-to-back calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(cuda_seconds(fn, calls, repeats))
 
 
 def graph_seconds(inputs: list[tuple[torch.Tensor, ...]], repeats: int) -> float:
