@@ -54,6 +54,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -264,27 +265,25 @@ class TPExecutor:
                 self._fail(rank, "")
 
     def run_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        if self.proposer is not None:
-            self.proposer.flush()  # calls queued since the last propose go first
-        self.check_alive()
-
-        def step() -> ModelRunnerOutput:
-            self.send(self._steps.encode(sched_out))
-            return runner.execute(sched_out)
-
-        return self.in_step(step)
+        return self._step(runner.execute, sched_out)
 
     def launch_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> _WatchedLaunch:
         """`run_step` for async scheduling: every rank launches the step (and samples its tokens
         on its own device). Waiting for rank 0's tokens is watched like a step: the device may
         be waiting on a peer that died."""
+        return _WatchedLaunch(self._step(runner.launch, sched_out), self)
+
+    def _step(self, run: Callable[[SchedulerOutput], Any], sched_out: SchedulerOutput) -> Any:
+        """Sends the step to every worker, then runs it here (`run`), as a watched step."""
+        if self.proposer is not None:
+            self.proposer.flush()  # calls queued since the last propose go first
         self.check_alive()
 
-        def step() -> LaunchedStep:
+        def step() -> Any:
             self.send(self._steps.encode(sched_out))
-            return runner.launch(sched_out)
+            return run(sched_out)
 
-        return _WatchedLaunch(self.in_step(step), self)
+        return self.in_step(step)
 
     def send(self, message: Any) -> None:
         """Sends every worker a message (a step, proposer calls, the KV cache plan, or None to

@@ -270,9 +270,7 @@ class ModelRunner:
         if batch.sampling_rows:
             if any(batch.num_spec):
                 self._sample_with_drafts(sched_out, batch, hidden, out)
-            elif get_tp_size() > 1 and all(r.takes_raw_argmax() for r in batch.sampling_rows):
-                # Every rank decides alike (the rows are the broadcast step's): the argmax from
-                # vocabulary shards, without gathering whole logit rows.
+            elif _argmax_from_shards(batch.sampling_rows):
                 tokens = self.model.greedy_tokens(hidden[batch.logits_indices]).tolist()
                 for rid, token in zip(batch.sampling_request_ids, tokens, strict=True):
                     out.sampled_token_ids[rid] = [token]
@@ -309,8 +307,7 @@ class ModelRunner:
             self._in_flight_ids, self._in_flight_rows = None, {}
             return LaunchedStep([], torch.empty(0, dtype=torch.int64), None)
         rows = batch.sampling_rows
-        if get_tp_size() > 1 and all(r.takes_raw_argmax() for r in rows):
-            # As in `execute`: every rank takes the argmax from vocabulary shards.
+        if _argmax_from_shards(rows):
             token_ids = self.model.greedy_tokens(hidden[batch.logits_indices])  # [S] int64
             logprobs = None
         else:
@@ -488,6 +485,13 @@ class ModelRunner:
                 r.num_computed_tokens,
                 aux[starts[i] : starts[i] + num_final],
             )
+
+
+def _argmax_from_shards(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every rank takes these rows' tokens as the argmax from its vocabulary shard
+    (`greedy_tokens`: one [rows, 2] gather) instead of gathering whole logit rows. Every rank
+    decides alike: the rows are those of the step rank 0 sent."""
+    return get_tp_size() > 1 and all(r.takes_raw_argmax() for r in rows)
 
 
 def sample_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
