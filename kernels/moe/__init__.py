@@ -28,9 +28,10 @@ Because the packed bytes hold even and odd K elements in the two nibbles, the ke
 activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
 
 Tile configs: a static table (up to 16 tokens the pair-major path; then up to 64 tokens 16-row
-M tiles, the weight stream dominates; prefill: 64-row tiles), unless a higher layer installed measured choices for the layer's shape
-(`install_tile_choice`; graphs/moe_tiles.py times candidates on the GPU and keeps them in the
-artifact cache, which kernels/ cannot import). Triton's own autotune is not used.
+M tiles, the weight stream dominates; prefill: 64-row tiles), unless a higher layer installed
+measured choices for the layer's shape (`install_tile_choice`; graphs/moe_tiles.py times
+candidates on the GPU and keeps them in the artifact cache, which kernels/ cannot import).
+Triton's own autotune is not used.
 """
 
 from .common import (
