@@ -12,6 +12,7 @@ collectives is alive; it waits for that graph forever. `destroy_tensor_parallel`
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -89,6 +90,11 @@ def init_tensor_parallel(
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if backend == "nccl":
+        # NCCL connects each algorithm's channels on its first use (since 2.22). A connect
+        # mid-session talks to the peer on the host: with a dead peer it blocks the collective's
+        # call, and the abort that should end the step waits behind it. Connect all at join.
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
         **kwargs,
@@ -96,9 +102,8 @@ def init_tensor_parallel(
     group = dist.group.WORLD
     startup = dist.new_group(backend="gloo", timeout=timeout)
     if backend == "nccl":
-        # One eager collective on every rank before anything is captured: NCCL connects its
-        # peers on the first collective (lazily, since 2.22), which must not be one a CUDA graph
-        # captures, and a broken device group fails here instead of in the first capture.
+        # One eager collective on every rank before anything is captured: a broken device group
+        # fails here instead of in the first capture or step.
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe, group=group)
         if probe.item() != world_size:
