@@ -31,9 +31,9 @@ with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=Fa
     t2 = time.time()
     s.generate(PROMPT, libkk.SamplingParams(max_tokens=1, temperature=0.0))
     elapsed = time.time() - t0
-    r = s.engine.runner
-    print(f"artifact cache {{r.compile_cache}}; import {{t1 - t0:.1f}} s, Session {{t2 - t1:.1f}} s "
-          f"(compile + capture {{r.capture_seconds:.1f}} s), first token {{time.time() - t2:.2f}} s")
+    phases = ", ".join(f"{{name}} {{sec:.1f}} s" for name, sec in s.startup_seconds.items())
+    print(f"artifact cache {{s.engine.runner.compile_cache}}; import {{t1 - t0:.1f}} s, Session "
+          f"{{t2 - t1:.1f}} s ({{phases}}), first token {{time.time() - t2:.2f}} s")
     if {explain!r}:
         import torch
         print(torch._dynamo.utils.compile_times(repr="str").replace(chr(10), " | ")[:2000])

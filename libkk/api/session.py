@@ -42,6 +42,9 @@ class Session:
             base.updated(**settings) if model is None else base.updated(model=model, **settings)
         )
         self._engine: Engine | None = Engine(self.config)
+        # Seconds each start-up phase took, in order ("load weights", "compile and capture CUDA
+        # graphs", ...; only the phases that ran).
+        self.startup_seconds: dict[str, float] = dict(self._engine.startup_seconds)
         self._froze_gc = self.config.freeze_gc
         if self._froze_gc:
             freeze_startup_objects()

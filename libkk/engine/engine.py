@@ -76,12 +76,16 @@ class InFlightStep:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        clock = _StartupClock()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        clock.lap("model files and tokenizer")
         # Tensor parallelism: workers start and load their slices while this rank loads its own.
         self.executor: TPExecutor | None = start_executor(config, self.model_dir, self.device)
+        if self.executor is not None:
+            clock.lap("start tensor-parallel workers")
         self.model, self.arch = load_model(
             self.model_dir,
             self.dtype,
@@ -92,6 +96,7 @@ class Engine:
             csf_prefetch=config.model.csf_prefetch,
             moe_prefill_activations=config.model.moe_prefill_activations,
         )
+        clock.lap("load weights")
         if config.cache.calculate_kv_scales:
             calibrate_kv_scales_on_first_prefill(self.model)
         if config.model.shared_host_tables:
@@ -142,6 +147,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         if self.executor is not None:  # every rank allocates the same blocks
             self.executor.plan_kv_cache(self.num_blocks, self.max_model_len)
+        clock.lap("allocate the KV cache")
         # The proposer first: its target layers are stashed by the forward the runner captures.
         self.proposer = build_proposer(
             config,
@@ -152,6 +158,8 @@ class Engine:
             num_target_blocks=self.num_blocks,
             progress=config.progress,
         )
+        if self.proposer is not None:
+            clock.lap("build the proposer")
         spec = config.speculative
         runner_spec = runner_speculation(config, self.proposer)
         aux_layers = runner_spec.aux_layers
@@ -170,6 +178,8 @@ class Engine:
             query_lens=runner_spec.query_lens,
             stash_aux_hidden=bool(aux_layers),
         )
+        clock.add(self.runner.startup_seconds)
+        clock.lap("build the runner")  # what its own phases leave
         if self.proposer is not None:
             self.runner.set_speculation(aux_layers, runner_spec.synthetic_rates)
         self.adaptive: AdaptiveDrafts | None = None
@@ -192,6 +202,7 @@ class Engine:
                     spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
                 ),
             )
+            clock.lap("profile speculation costs")
         if self.executor is not None:  # steps go to every rank from here on
             self.runner = self.executor.wrap(self.runner)
             if self.proposer is not None:  # its calls are made on every rank
@@ -201,6 +212,9 @@ class Engine:
         self.num_steps = 0
         # Async scheduling: the launched step whose tokens are not yet on the host.
         self._in_flight: InFlightStep | None = None
+        # Seconds per start-up phase that ran, in order.
+        self.startup_seconds = clock.laps
+        logger.info("started in %.1f s: %s", clock.total, clock.summary())
 
     def _make_host_tier(
         self, kv_caches: list[torch.Tensor], bytes_per_block: int
@@ -572,3 +586,29 @@ class Engine:
                     request.status.name,
                     request.timeline.summary(now),
                 )
+
+
+class _StartupClock:
+    """Seconds per named start-up phase: each lap is the time since the previous one."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = self._start = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
+
+    def add(self, laps: dict[str, float]) -> None:
+        """Phases timed elsewhere that happened since the previous lap (the next lap excludes
+        them)."""
+        self.laps.update(laps)
+        self._last += sum(laps.values())
+
+    @property
+    def total(self) -> float:
+        return self._last - self._start
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.laps.items())

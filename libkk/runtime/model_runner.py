@@ -92,7 +92,8 @@ class ModelRunner:
         self._in_flight_ids: torch.Tensor | None = None
         self._in_flight_rows: dict[str, int] = {}
         self.compile_cache = "off"  # how the artifact cache served this runner (graphs/compile.py)
-        self.capture_seconds = 0.0  # compile (where it happens during capture) + capture
+        # Seconds of this runner's start-up phases: tile tuning, compile + graph capture.
+        self.startup_seconds: dict[str, float] = {}
         self.moe_tile_choices: list[TileChoice] = []  # measured or recorded (graphs/moe_tiles.py)
         compilation = compilation or CompilationConfig()
         # model.forward(input_ids, positions), compiled on CUDA (CPU stays eager: exact parity
@@ -114,8 +115,10 @@ class ModelRunner:
             self.forward = compile_forward(model.forward, backend=self.piecewise)
         if device.type == "cuda" and compilation.tune_moe_tiles:
             # Before anything compiles or captures: traces and graphs take the installed tiles.
+            start = time.perf_counter()
             budget = max_num_batched_tokens or SchedulerConfig().max_num_batched_tokens
             self._tune_moe_tiles(compilation, max_num_seqs, max_model_len, budget, progress)
+            self.startup_seconds["tune MoE tiles"] = time.perf_counter() - start
         if graphs:
             self._capture_graphs(compilation, max_num_seqs, max_model_len, progress)
 
@@ -188,7 +191,7 @@ class ModelRunner:
         start = time.perf_counter()
         if not compilation.torch_compile:
             self.graphs.capture(progress=progress)
-            self.capture_seconds = time.perf_counter() - start
+            self.startup_seconds["capture CUDA graphs"] = time.perf_counter() - start
             return
         # Capturing runs the compiled forward at every size, so it compiles everything a run
         # needs (size 1 and the dynamic graph); the artifact cache stores it for the next start.
@@ -202,7 +205,8 @@ class ModelRunner:
                     self.graphs.capture(progress=progress)
             else:
                 self.graphs = None
-        self.capture_seconds = time.perf_counter() - start
+        # Compiling happens in the first captures (or loads from the artifact cache there).
+        self.startup_seconds["compile and capture CUDA graphs"] = time.perf_counter() - start
 
     @torch.inference_mode()  # as `execute` runs: dynamo guards on the grad mode
     def _capture_pieces(self, progress: bool) -> None:

@@ -115,6 +115,17 @@ def test_logprobs(session):
         assert torch.tensor([v for _, v in lp.top]).exp().sum() <= 1.0 + 1e-5
 
 
+def test_startup_phases_are_timed_in_order(session):
+    phases = session.startup_seconds
+    assert list(phases)[:3] == [
+        "model files and tokenizer",
+        "load weights",
+        "allocate the KV cache",
+    ]
+    assert list(phases)[-1] == "build the runner"  # no tensor parallelism, proposer or graphs
+    assert all(seconds >= 0.0 for seconds in phases.values())
+
+
 def test_stall_is_logged(tiny_llama_dir, caplog):
     with Session(str(tiny_llama_dir), stall_threshold_s=1e-6, max_num_seqs=1) as s:
         s.submit("a", GREEDY)
