@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from floors import copy_bandwidth
+from profiling import profile_steps
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -222,63 +223,8 @@ def bench_libkk(
             steps.append(max(o.timeline.decode_time for o in outs) / tokens)
         weights = s.engine.weights_bytes
         if profile:
-            profile_decode(s, ids, tokens)
+            profile_steps(s, ids, tokens)
     return {"ms_per_step": [t * 1e3 for t in steps], "weights_bytes": weights}
-
-
-def device_timeline(prof, steps: int) -> str:
-    """Kernels per step, and how much of the device's span between the first and the last kernel
-    it spent idle between kernels (launch gaps and host waits), from the profiler's events."""
-    from torch.autograd import DeviceType
-
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    if not spans:
-        return "no device events"
-    busy, end = 0.0, spans[0][0]
-    for lo, hi in spans:  # union of the intervals: overlapping kernels count once
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    span = end - spans[0][0]
-    return (
-        f"device: {len(spans) / steps:.0f} kernels and copies per step; busy {busy / 1e3 / steps:.2f}"
-        f" of {span / 1e3 / steps:.2f} ms per step, idle between them "
-        f"{(span - busy) / 1e3 / steps:.2f} ms ({100 * (span - busy) / span:.0f}%)"
-    )
-
-
-def profile_decode(session, ids: list[list[int]], tokens: int) -> None:
-    """Where a decode step's time goes: the top kernels by GPU time and the top host-side ops,
-    per step, from torch.profiler over one generate call (prefill included, amortized), then the
-    top Python functions by own time from cProfile over another."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from libkk import SamplingParams
-
-    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        session.generate(ids, params)
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) * 1e3 / tokens
-    events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events) / 1e3 / tokens
-    print(f"profile: {wall:.2f} ms wall per step (profiler on), {gpu:.2f} ms GPU busy per step")
-    print(device_timeline(prof, tokens))
-    print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-    # The host's Python side of the same call: where a step's time goes outside torch ops.
-    import cProfile
-    import pstats
-
-    py = cProfile.Profile()
-    py.runcall(session.generate, ids, params)
-    pstats.Stats(py).sort_stats("tottime").print_stats(20)
 
 
 def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:

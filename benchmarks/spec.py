@@ -39,12 +39,12 @@ from decode import (  # noqa: E402
     COMMON,
     SHAPES,
     bench_transformers,
-    profile_decode,
     prompts,
     step_bytes,
     write_checkpoint,
 )
 from floors import copy_bandwidth  # noqa: E402
+from profiling import profile_steps  # noqa: E402
 
 K = 7
 ACCEPTANCE_LENGTHS = (2.0, 3.5, 5.0)
@@ -111,7 +111,7 @@ def run(
             tok_s.append(batch * tokens / decode)
         after = s.stats()
         if profile:
-            profile_decode(s, ids, tokens)
+            profile_steps(s, ids, tokens)
         weights = s.engine.weights_bytes
     row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)],
            "per_repeat": tok_s}  # fmt: skip

@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402  (benchmarks/decode.py: shapes and the checkpoint writer)
+import profiling  # noqa: E402
 from floors import copy_bandwidth, matmul_rate  # noqa: E402
 
 
@@ -140,8 +141,8 @@ def run_case(args: argparse.Namespace) -> dict:
         }
         print(f"  prefill {args.prefill_len}: {statistics.median(ttft):.1f} ms", flush=True)
         if args.profile:
-            profile_prefill(s, decode.prompts(1, args.prefill_len, vocab, seed=999))
-            decode.profile_decode(s, decode.prompts(1, args.prompt, vocab), args.tokens)
+            profiling.profile_prefill(s, decode.prompts(1, args.prefill_len, vocab, seed=999))
+            profiling.profile_steps(s, decode.prompts(1, args.prompt, vocab), args.tokens)
     return result
 
 
@@ -176,23 +177,6 @@ def _floors(path: Path, args: argparse.Namespace) -> dict:
     prefill_ms = 2 * args.prefill_len * _linear_params(cfg) / tp / rate * 1e3
     return {"copy_GBps": bandwidth / 1e9, "matmul_TFLOPs": rate / 1e12,
             "decode_ms": decode_ms, "prefill_ms": prefill_ms}  # fmt: skip
-
-
-def profile_prefill(session, ids: list[list[int]]) -> None:
-    """Rank 0's kernels over one prefill (first token only): at TP > 1 a long NCCL kernel is
-    rank 0 waiting for a slower peer."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from libkk import SamplingParams
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        session.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-    print("prefill " + decode.device_timeline(prof, 1))
-    events = prof.key_averages()
-    print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main() -> None:
