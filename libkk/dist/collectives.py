@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
 
 from libkk.dist.parallel_state import get_tp_state
 
@@ -23,6 +22,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if state.world_size == 1:
         return x
     if x.is_cuda:
+        # NOTE: imported here: it imports torch._dynamo (~1.4 s), which a CPU session never needs.
+        from torch.distributed import _functional_collectives as funcol
+
         out = funcol.all_reduce(x, "sum", state.group)
         if isinstance(out, funcol.AsyncCollectiveTensor):  # eager: wait before the next op
             out = out.wait()
@@ -32,8 +34,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# NOTE: used on the logits after the forward (never compiled); kept out of any trace.
-@torch.compiler.disable
+# NOTE: used on the logits after the forward and in the DFlash drafter, neither of them compiled.
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenation of every rank's `x` along the last dim, in rank order: [..., n * world]."""
     state = get_tp_state()

@@ -75,3 +75,14 @@ def test_imports_run_one_way():
             if target == "__init__" or RANK[target] >= RANK[package]:
                 violations.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not violations, "upward or sideways imports:\n" + "\n".join(violations)
+
+
+def test_importing_libkk_leaves_the_compiler_out():
+    """`import libkk` does not import torch._dynamo (~1.4 s): a CPU session never compiles, and a
+    CUDA one imports it when it compiles."""
+    import subprocess
+    import sys
+
+    code = "import sys, libkk; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
