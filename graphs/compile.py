@@ -35,9 +35,23 @@ def compile_forward(forward: Forward, backend: Callable[..., Any] | None = None)
     The model traces as one graph with each attention call an opaque op, so Inductor (the
     default backend) fuses everything between attention calls; a `PiecewiseBackend` also cuts
     the graph there to capture the pieces (graphs/piecewise.py).
+
+    The token count is an unbacked size: one compiled graph serves every count, 1 included. A
+    backed size specializes counts 0 and 1, so one-token batches (decode at batch 1) would
+    compile, and load from the artifact cache, a second graph. The price: the model's Python
+    may not branch on the token count while traced (kernels choose by size inside their ops).
     """
+    from torch._dynamo.decorators import mark_unbacked
+
     _allow_recompiles_per_session()
-    return torch.compile(forward, dynamic=True, backend=backend or "inductor")
+    compiled = torch.compile(forward, dynamic=True, backend=backend or "inductor")
+
+    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        mark_unbacked(input_ids, 0)
+        mark_unbacked(positions, 0)
+        return compiled(input_ids, positions)
+
+    return run
 
 
 # Compiled entries Dynamo keeps per code object. Every Session in a process compiles the same

@@ -332,13 +332,13 @@ def fused_moe_w4a16(
     into the residual add that follows instead of costing a kernel of its own."""
     args = (x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt)
     if config is None:
+        if torch.compiler.is_compiling():
+            # The tiles depend on the token count: picked at run time inside an opaque op, so
+            # the trace neither branches on the count nor is specialised per token bucket.
+            return fused_moe_w4a16_measured(*args).sum(dim=1)
         top_k = topk_ids.shape[1]
         shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
         if has_tile_choices(shape):
-            if torch.compiler.is_compiling():
-                # The measured choice depends on the token count: picked at run time inside an
-                # opaque op, so the trace is not specialised (and recompiled) per token bucket.
-                return fused_moe_w4a16_measured(*args).sum(dim=1)
             config = tile_choice(shape, topk_ids.shape[0])
     return _routed_pair_outputs(*args, config or default_tile_config(topk_ids.shape[0])).sum(dim=1)
 

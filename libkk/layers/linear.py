@@ -70,9 +70,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
     a few; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
     fp32 shapes on a 2-core machine, about even at 256-512 and 2x slower at 1.5K (prefill), so
-    only decode-sized inputs take it. One row is doubled so it takes the gemm path too.
+    only decode-sized inputs take it. One row is doubled so it takes the gemm path too. Traced
+    code (torch.compile) takes F.linear: its token count may be unbacked, not to branch on.
     """
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _SMALL_ROWS:
+    if (
+        x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or x.dim() != 2
+        or x.shape[0] > _SMALL_ROWS
+    ):
         return F.linear(x, weight, bias)
     rows = x if x.shape[0] > 1 else torch.cat([x, x])
     out = torch.mm(weight, rows.t()).t()[: x.shape[0]].contiguous()  # [num_tokens, out]

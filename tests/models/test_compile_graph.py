@@ -70,3 +70,31 @@ def test_piecewise_backend_splits_at_attention_and_equals_eager(tiny_llama_dir):
     assert len(backend.pieces) == num_layers + 1
     for gm in compiled_pieces:  # no piece holds an attention call
         assert not any("libkk.attention" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_piecewise_pieces_compile_once_for_every_token_count(tiny_llama_dir):
+    """Through compile_forward (the token count unbacked) the piecewise backend splits and
+    compiles the graph once; a one-token decode step reuses it and equals eager."""
+    from libkk.graphs.compile import compile_forward
+    from libkk.graphs.piecewise import PiecewiseBackend
+    from torch._dynamo.backends.common import aot_autograd
+
+    from libkk.layers.forward_context import set_forward_context
+
+    def compile_piece(gm, example_inputs):
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    model, kv, ids, pos, metadata = _step(tiny_llama_dir)
+    backend = PiecewiseBackend(sizes=[1, 8], compile_piece=compile_piece)
+    torch._dynamo.reset()
+    forward = compile_forward(model.forward, backend=backend)
+    decode = build_attn_metadata([([5, 6, 7, 8, 9, 10], 5)], [[3, 7]], 4)  # request 0's next token
+    with torch.no_grad():
+        with set_forward_context(metadata):
+            forward(ids, pos)  # the prefill fills the cache
+        d_ids, d_pos, d_meta = decode
+        with set_forward_context(d_meta):
+            eager = model.forward(d_ids, d_pos)
+            out = forward(d_ids, d_pos)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    assert len(backend.pieces) == len(model.attention_layers()) + 1  # one split, no recompile

@@ -1,5 +1,6 @@
 """The compiled forward compiles once for every way the runner calls it: eager steps, graph
-capture over DecodeGraphs' static inputs and start-up profiling all pass inference tensors."""
+capture over DecodeGraphs' static inputs and start-up profiling all pass inference tensors, and
+one token is a count like any other (the token count is unbacked: no 0/1 specialization)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ def test_graph_inputs_and_step_inputs_share_one_compiled_entry(tiny_qwen3_dir):
         counter = CompileCounter()
         forward = compile_forward(model.forward, backend=counter)
         assert torch._dynamo.config.recompile_limit >= MIN_RECOMPILE_LIMIT
-        graphs = DecodeGraphs(forward, capture_sizes=[2, 4], max_blocks_per_seq=4,
+        graphs = DecodeGraphs(forward, capture_sizes=[1, 2, 4], max_blocks_per_seq=4,
                               block_size=bs, device=torch.device("cpu"))  # fmt: skip
         static = [graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.block_table]
         assert all(t.is_inference() for t in static)
         with torch.inference_mode():
-            for size in (4, 2):  # as capture calls it
+            for size in (4, 2, 1):  # as capture calls it
                 with set_forward_context(graphs._metadata(1, size)):
                     forward(graphs.input_ids[:size], graphs.positions[:size])
             meta = graphs._metadata(1, 3)  # as an eager step calls it: fresh inference tensors
