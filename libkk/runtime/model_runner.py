@@ -193,8 +193,8 @@ class ModelRunner:
             self.graphs.capture(progress=progress)
             self.startup_seconds["capture CUDA graphs"] = time.perf_counter() - start
             return
-        # Capturing runs the compiled forward at every size, so it compiles everything a run
-        # needs (size 1 and the dynamic graph); the artifact cache stores it for the next start.
+        # Capturing runs the compiled forward, so it compiles the one graph every step size uses;
+        # the artifact cache stores it for the next start.
         model_config, graph_settings = self._artifact_inputs(compilation, sizes, max_blocks_per_seq)
         with artifact_cache_scope(self.device, model_config, graph_settings) as how:
             self.compile_cache = how
