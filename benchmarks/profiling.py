@@ -40,6 +40,38 @@ def device_timeline(prof, steps: int) -> str:  # noqa: ANN001 - torch.profiler.p
     )
 
 
+# Kernel families by name: the first pattern a kernel's name contains decides its row.
+FAMILIES = (
+    ("attention", ("_decode_kernel", "_varlen_kernel", "_merge_splits", "_store_kv")),
+    (
+        "MoE experts and routing",
+        (
+            "_gate_up_",
+            "_down_kernel",
+            "_down_gemv",
+            "_routing_kernel",
+            "_align_count",
+            "_align_prefix",
+            "_align_scatter",
+            "_csf_expand",
+        ),
+    ),
+    ("GEMM (cuBLAS / CUTLASS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
+    ("Inductor (fused elementwise)", ("triton_",)),
+    ("NCCL", ("nccl",)),
+    ("sampling", ("_chunk_kernel", "_reduce_kernel", "_uniform", "argmax", "gumbel", "topk")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "cat")),
+)
+
+
+def _family(name: str) -> str:
+    low = name.lower()
+    for family, patterns in FAMILIES:
+        if any(p in low for p in patterns):
+            return family
+    return "other"
+
+
 def kernel_table(prof, steps: int, top: int = 25) -> str:  # noqa: ANN001
     """The `top` kernels (and copies) by device time: launches per step, µs per launch, µs per
     step and share of the device time, then the rest summed."""
@@ -70,6 +102,17 @@ def kernel_table(prof, steps: int, top: int = 25) -> str:  # noqa: ANN001
         )
     lines.append(f"{'all kernels':<72}{sum(r[1] for r in rows) / steps:>9.1f}{'':>9}"
                  f"{total / steps:>9.1f}")  # fmt: skip
+    families: dict[str, list[float]] = {}
+    for name, count, us in rows:
+        entry = families.setdefault(_family(name), [0.0, 0.0])
+        entry[0] += count
+        entry[1] += us
+    lines.append(f"{'by family':<72}{'per step':>9}{'µs each':>9}{'µs/step':>9}{'share':>7}")
+    for family, (count, us) in sorted(families.items(), key=lambda kv: -kv[1][1]):
+        lines.append(
+            f"{family:<72}{count / steps:>9.1f}{us / count:>9.2f}{us / steps:>9.1f}"
+            f"{us / total:>7.1%}"
+        )
     return "\n".join(lines)
 
 
