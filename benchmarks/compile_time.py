@@ -1,0 +1,84 @@
+"""Compile time of the model forward as the runner's graph capture calls it: a first call at
+several tokens, then one at a single token (batch-1 decode), each timed to its return.
+
+A 36-layer Qwen3 at tiny widths (tracing cost grows with layers and ops, not widths), on the CPU,
+through `graphs.compile.compile_forward` with a stand-in backend: `eager` times Dynamo's trace,
+`aot_eager` adds AOTAutograd's. A one-token call that recompiles shows up as a second long call.
+The Inductor code generation that a GPU start adds (or loads from the artifact cache) is not
+included; benchmarks/startup.py measures the whole start on the GPU.
+
+    python benchmarks/compile_time.py [--backends eager aot_eager] [--layers 36]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import write_word_tokenizer  # noqa: E402
+
+VOCAB = 2048
+
+
+def write_model(path: Path, layers: int) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    write_word_tokenizer(path, VOCAB)
+    return path
+
+
+def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
+    """Seconds of the compiled forward's first call at each size, in order."""
+    from libkk.graphs.capture import DecodeGraphs
+    from libkk.graphs.compile import compile_forward
+
+    from libkk import Session
+    from libkk.layers.forward_context import set_forward_context
+
+    with Session(str(path), device="cpu", dtype="float32", max_model_len=128, progress=False) as s:
+        torch._dynamo.reset()
+        forward = compile_forward(s.engine.model.forward, backend=backend)
+        graphs = DecodeGraphs(forward, capture_sizes=sizes, max_blocks_per_seq=4,
+                              block_size=s.engine.config.cache.block_size,
+                              device=torch.device("cpu"))  # fmt: skip
+        seconds = []
+        with torch.inference_mode():
+            for size in sizes:  # the static inputs and metadata a capture uses
+                start = time.perf_counter()
+                with set_forward_context(graphs._metadata(1, size)):
+                    forward(graphs.input_ids[:size], graphs.positions[:size])
+                seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", nargs="+", default=["eager", "aot_eager"])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8, 1])
+    ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "libkk-compile-time"))
+    args = ap.parse_args()
+    path = write_model(Path(args.dir) / f"qwen3-{args.layers}l", args.layers)
+    print(f"{'backend':<12}" + "".join(f"{f'{n} tokens s':>14}" for n in args.sizes))
+    for backend in args.backends:
+        seconds = first_calls(path, backend, args.sizes)
+        print(f"{backend:<12}" + "".join(f"{s:>14.2f}" for s in seconds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
