@@ -174,7 +174,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 class TPExecutor:
-    """Rank 0's handle on the workers: start, per-step broadcast, liveness, shutdown."""
+    """Rank 0's handle on the workers: start, per-step messages, liveness, shutdown."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device) -> None:
         check_parallel_config(config, device)
@@ -293,8 +293,8 @@ class TPExecutor:
             write_frame(sock, frame)
 
     def in_step(self, fn: Any) -> Any:
-        """Runs `fn` (a broadcast and the collectives after it) as a step: watched by the monitor,
-        any failure converted into TensorParallelError."""
+        """Runs `fn` (a message sent and the collectives after it) as a step: watched by the
+        monitor, any failure converted into TensorParallelError."""
         self._step_started = time.monotonic()
         self._in_step.set()
         try:
@@ -463,7 +463,7 @@ class TPExecutor:
             try:
                 self.send(None)  # workers leave their loop and exit
             except Exception as e:  # noqa: BLE001 - fall through to signals
-                logger.debug("stop broadcast failed: %s", e)
+                logger.debug("stop message failed: %s", e)
                 healthy = False
         if healthy:
             # Together with the workers: NCCL's teardown of a communicator can wait for its
@@ -494,7 +494,7 @@ class TPExecutor:
 
 
 class TPModelRunner:
-    """Rank 0's runner under tensor parallelism: broadcasts each step, then runs it locally.
+    """Rank 0's runner under tensor parallelism: sends each step, then runs it locally.
 
     Every other attribute is the wrapped ModelRunner's.
     """

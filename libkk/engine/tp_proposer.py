@@ -20,14 +20,14 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class ProposerCalls:
-    """Proposer calls rank 0 made since the last broadcast, in order: ("remove", request_id),
+    """Proposer calls rank 0 made since the last message, in order: ("remove", request_id),
     ("add_context", request_id, start_position) or ("propose", [ProposeRequest])."""
 
     calls: list[tuple]
 
 
 class TPProposer(Proposer):
-    """Rank 0's proposer under tensor parallelism: each call is queued, then broadcast and made on
+    """Rank 0's proposer under tensor parallelism: each call is queued, then sent and made on
     every rank at once (a drafter's forward is a collective). Its results are rank 0's."""
 
     def __init__(self, proposer: Proposer, executor: TPExecutor) -> None:
@@ -50,7 +50,7 @@ class TPProposer(Proposer):
         return proposal
 
     def flush(self) -> DraftProposal | None:
-        """Broadcasts the queued calls and makes them here; the last propose's result."""
+        """Sends the queued calls to every worker and makes them here; the last propose's result."""
         if not self._calls:
             return None
         calls, hidden = self._calls, self._hidden

@@ -65,7 +65,7 @@ def _worker_main(
     *,
     conn: Connection,
 ) -> None:
-    """Rank `rank`: join the group, load this rank's weights, then run every broadcast step."""
+    """Rank `rank`: join the group, load this rank's weights, then run every step rank 0 sends."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     # `kill -USR1 PID` prints every thread's stack to stderr: where a stuck worker waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

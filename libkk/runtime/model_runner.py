@@ -394,7 +394,7 @@ class ModelRunner:
     ) -> None:  # fmt: skip
         """Plain rows through the sampler, rows with drafts through verification: from this
         rank's vocab shard when this runner verifies vocab-parallel and the step allows it (the
-        same decision on every rank: it reads only the broadcast step), else on whole rows."""
+        same decision on every rank: it reads only the step rank 0 sent), else on whole rows."""
         by_id = {r.request_id: r for r in sched_out.requests}
         plain, plain_rows, plain_at = [], [], []
         spec, spec_at = [], []

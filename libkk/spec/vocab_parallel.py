@@ -44,10 +44,10 @@ its slice before calling in; the engine falls back for it instead (`row_covered`
 
 In the engine (tensor parallelism with `speculative.vocab_parallel_drafting`): every rank's DFlash
 proposer drafts from its LM-head shard and keeps that shard of each sampled request's draft
-logits (`ShardDrafts`, by request id; the proposal itself carries no logits, so the broadcast step
-stays small), and every rank's model runner verifies a step's drafts from its target-logit shard
-with `gather = tp_gather`. A step with any row not covered is verified on whole rows (the stored
-shards gathered back into q), decided alike on every rank from the broadcast step.
+logits (`ShardDrafts`, by request id; the proposal itself carries no logits, so the step rank 0
+sends stays small), and every rank's model runner verifies a step's drafts from its target-logit
+shard with `gather = tp_gather`. A step with any row not covered is verified on whole rows (the
+stored shards gathered back into q), decided alike on every rank from the step rank 0 sent.
 """
 
 from __future__ import annotations
