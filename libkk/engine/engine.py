@@ -145,9 +145,10 @@ class Engine:
             host_tier=self.host_tier,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        clock.lap("allocate the KV cache")
         if self.executor is not None:  # every rank allocates the same blocks
             self.executor.plan_kv_cache(self.num_blocks, self.max_model_len)
-        clock.lap("allocate the KV cache")
+            clock.lap("wait for the tensor-parallel workers' weights")
         # The proposer first: its target layers are stashed by the forward the runner captures.
         self.proposer = build_proposer(
             config,
@@ -207,6 +208,7 @@ class Engine:
             self.runner = self.executor.wrap(self.runner)
             if self.proposer is not None:  # its calls are made on every rank
                 self.proposer = self.executor.wrap_proposer(self.proposer)
+            clock.lap("wait for the tensor-parallel workers' runners")
         self.outputs = OutputProcessor(self.tokenizer)
         self._stall_logged: set[str] = set()
         self.num_steps = 0

@@ -143,9 +143,11 @@ def test_tp3_matches_tp1(model_dirs):
     tokens, top, session = _run(model_dirs["qwen3"], 3)  # 4 heads and 2 KV heads per rank
     _assert_matches(_reference(model_dirs, "qwen3"), (tokens, top))
     _assert_workers_gone(session)
-    assert list(session.startup_seconds)[:3] == [
-        "model files and tokenizer", "start tensor-parallel workers", "load weights"
-    ]  # fmt: skip
+    phases = list(session.startup_seconds)
+    assert phases[:3] == ["model files and tokenizer", "start tensor-parallel workers",
+                          "load weights"]  # fmt: skip
+    assert "wait for the tensor-parallel workers' weights" in phases
+    assert phases[-1] == "wait for the tensor-parallel workers' runners"
 
 
 def test_async_scheduling_at_tp2_matches_sync_tp1(model_dirs):
