@@ -21,25 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import write_word_tokenizer  # noqa: E402
-
-VOCAB = 2048
-
-
-def write_model(path: Path, layers: int) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    write_word_tokenizer(path, VOCAB)
-    return path
+from spec_host_overhead import write_tiny_qwen3  # noqa: E402
 
 
 def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
@@ -73,7 +55,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 1])
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "libkk-compile-time"))
     args = ap.parse_args()
-    path = write_model(Path(args.dir) / f"qwen3-{args.layers}l", args.layers)
+    path = write_tiny_qwen3(Path(args.dir) / f"qwen3-{args.layers}l", args.layers)
     print(f"{'backend':<12}" + "".join(f"{f'{n} tokens s':>14}" for n in args.sizes))
     for backend in args.backends:
         seconds = first_calls(path, backend, args.sizes)

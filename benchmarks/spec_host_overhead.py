@@ -43,8 +43,8 @@ _clock = time.process_time
 PROMPT_LEN = 64
 
 
-def write_tiny_qwen3(path: Path) -> Path:
-    """A 2-layer random Qwen3 with a word-level tokenizer (token ids as prompts)."""
+def write_tiny_qwen3(path: Path, num_layers: int = 2) -> Path:
+    """A random Qwen3 at tiny widths with a word-level tokenizer (token ids as prompts)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if (path / "config.json").exists():
@@ -53,7 +53,7 @@ def write_tiny_qwen3(path: Path) -> Path:
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
