@@ -2,7 +2,7 @@
 several tokens, then one at a single token (batch-1 decode), each timed to its return.
 
 A 36-layer Qwen3 at tiny widths (tracing cost grows with layers and ops, not widths), on the CPU,
-through `graphs.compile.compile_forward` with a stand-in backend: `eager` times Dynamo's trace,
+through `graphs.compile.CompiledForward` with a stand-in backend: `eager` times Dynamo's trace,
 `aot_eager` adds AOTAutograd's. A one-token call that recompiles shows up as a second long call.
 The Inductor code generation that a GPU start adds (or loads from the artifact cache) is not
 included; benchmarks/startup.py measures the whole start on the GPU.
@@ -27,14 +27,14 @@ from spec_host_overhead import write_tiny_qwen3  # noqa: E402
 def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
     """Seconds of the compiled forward's first call at each size, in order."""
     from libkk.graphs.capture import DecodeGraphs
-    from libkk.graphs.compile import compile_forward
+    from libkk.graphs.compile import CompiledForward
 
     from libkk import Session
     from libkk.layers.forward_context import set_forward_context
 
     with Session(str(path), device="cpu", dtype="float32", max_model_len=128, progress=False) as s:
         torch._dynamo.reset()
-        forward = compile_forward(s.engine.model.forward, backend=backend)
+        forward = CompiledForward(s.engine.model, backend=backend, precompile=False)
         graphs = DecodeGraphs(forward, capture_sizes=sizes, max_blocks_per_seq=4,
                               block_size=s.engine.config.cache.block_size,
                               device=torch.device("cpu"))  # fmt: skip

@@ -7,6 +7,8 @@ Layout under the root (default `<libkk_cache_dir()>/artifacts`):
                             plus the key inputs, created time, libkk version
         READY               sha256 of manifest.json; written last
         torch_compile.bin   bytes of `torch.compiler.save_cache_artifacts()` (the mega-cache)
+        forward.bin         the model forward precompiled by torch's aot_compile: Dynamo's
+                            bytecode and guards with Inductor's output (graphs/compile.py)
         autotune.jsonl      Triton autotune choices (`AutotuneStore`, autotune_store.py);
                             append-only, outside the READY protocol, kept by a rebuild
     <key>.lock              flock'd by the one process that builds or removes <key>/
@@ -68,6 +70,7 @@ logger = logging.getLogger("libkk")
 
 READY = "READY"
 COMPILE_ARTIFACTS = "torch_compile.bin"
+PRECOMPILED_FORWARD = "forward.bin"
 DEFAULT_LOCK_TIMEOUT_S = 900.0  # a cold compile + capture of a large model takes minutes
 
 _RESERVED = {MANIFEST, READY, AUTOTUNE}

@@ -18,19 +18,21 @@ from typing import Any
 import torch
 from libkk.graphs.artifact_key import ArtifactKey, device_name_of
 from libkk.graphs.artifacts import (
+    PRECOMPILED_FORWARD,
     ArtifactCache,
     ArtifactEntry,
     load_compile_artifacts,
     save_compile_artifacts,
 )
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compile_forward(forward: Forward, backend: Callable[..., Any] | None = None) -> Forward:
-    """The model forward under torch.compile with dynamic token counts.
+class CompiledForward:
+    """`model.forward(input_ids, positions)` under torch.compile with dynamic token counts.
 
     The model traces as one graph with each attention call an opaque op, so Inductor (the
     default backend) fuses everything between attention calls; a `PiecewiseBackend` also cuts
@@ -40,18 +42,94 @@ def compile_forward(forward: Forward, backend: Callable[..., Any] | None = None)
     backed size specializes counts 0 and 1, so one-token batches (decode at batch 1) would
     compile, and load from the artifact cache, a second graph. The price: the model's Python
     may not branch on the token count while traced (kernels choose by size inside their ops).
+
+    With a named backend ("inductor") and `precompile`, the first call compiles ahead of time
+    (torch's `aot_compile`): Dynamo's bytecode, guards and the backend's output become one
+    serializable function. `dump` gives its bytes for the artifact cache and `load` restores
+    it, so a warm start skips Dynamo's trace of the model (seconds for a large model). A model
+    that cannot be precompiled (a graph break, a value torch cannot serialize) or a call its
+    guards reject falls back to plain torch.compile, logged.
     """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: str | Callable[..., Any] | None = None,
+        precompile: bool = True,
+    ) -> None:
+        _allow_recompiles_per_session()
+        self.model = model
+        backend = backend or "inductor"
+        self._compiled = torch.compile(model.forward, dynamic=True, backend=backend)
+        # Precompiled from the unbound function, the model an argument: a module cannot be
+        # serialized, and a fresh process passes its own.
+        self._function = type(model).forward
+        self._aot_compile = None
+        if precompile and isinstance(backend, str):
+            whole = torch.compile(self._function, fullgraph=True, dynamic=True, backend=backend)
+            self._aot_compile = getattr(whole, "aot_compile", None)  # torch >= 2.10
+        self.precompiled: Any = None  # torch's AOTCompiledFunction, once compiled or loaded
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.precompiled is None and self._aot_compile is not None:
+            self._precompile(input_ids, positions)
+        if self.precompiled is not None:
+            if self.precompiled.guard_check(self.model, input_ids, positions):
+                return self.precompiled.fn(self.model, input_ids, positions)
+            self._give_up("its guards reject a call")
+        return self._compiled(*_unbacked(input_ids, positions))
+
+    def _precompile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            # Guards record the grad mode: compile as the runner calls (inference mode).
+            with torch.inference_mode():
+                example = (self.model, *_unbacked(input_ids, positions))
+                self.precompiled = self._aot_compile((example, {}))
+        except Exception as e:  # torch internals: fall back to plain torch.compile
+            self._give_up(f"{type(e).__name__}: {e}")
+            return
+        logger.info("precompiled the model forward in %.1f s", time.perf_counter() - start)
+
+    def dump(self) -> bytes | None:
+        """The precompiled function's bytes for the artifact cache (None: nothing to store)."""
+        if self.precompiled is None:
+            return None
+        try:
+            return type(self.precompiled).serialize(self.precompiled).serialized_data
+        except Exception as e:  # torch internals: a cache must never crash a run
+            logger.warning("cannot serialize the precompiled forward (%s: %s)", type(e).__name__, e)
+            return None
+
+    def load(self, data: bytes) -> bool:
+        """Restores a precompiled function `dump` gave; False (logged) if torch rejects it."""
+        if self._aot_compile is None:
+            return False
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        try:
+            # Its guards are rebuilt here and compare against the grad mode of this moment.
+            with torch.inference_mode():
+                self.precompiled = AOTCompiledFunction.deserialize(
+                    data, f_globals=self._function.__globals__
+                )
+        except Exception as e:  # torch internals: compile instead
+            logger.warning("cannot load the precompiled forward (%s: %s)", type(e).__name__, e)
+            return False
+        return True
+
+    def _give_up(self, why: str) -> None:
+        logger.warning("the model forward runs without precompile: %s", why)
+        self.precompiled = None
+        self._aot_compile = None
+
+
+def _unbacked(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from torch._dynamo.decorators import mark_unbacked
 
-    _allow_recompiles_per_session()
-    compiled = torch.compile(forward, dynamic=True, backend=backend or "inductor")
-
-    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        mark_unbacked(input_ids, 0)
-        mark_unbacked(positions, 0)
-        return compiled(input_ids, positions)
-
-    return run
+    mark_unbacked(input_ids, 0)
+    mark_unbacked(positions, 0)
+    return input_ids, positions
 
 
 # Compiled entries Dynamo keeps per code object. Every Session in a process compiles the same
@@ -87,26 +165,40 @@ def artifact_cache_scope(
     graph_settings: Mapping[str, Any],
     model_name: str | None = None,
     cache: ArtifactCache | None = None,
+    forward: CompiledForward | None = None,
 ) -> Iterator[str]:
     """Wraps the compile + capture of one model; yields how the entry was used:
 
     "loaded" (a ready entry was hot-loaded before compiling), "built" (this process compiled and
     will store the artifacts when the block ends), or "uncached" (no lock or an I/O problem:
     compile without the cache). The block must force every compile it wants stored (capture or
-    warm-up calls), since torch.compile compiles lazily.
+    warm-up calls), since torch.compile compiles lazily. `forward`'s precompiled function is
+    loaded with the entry and stored with it.
     """
     entry = artifact_entry(device, model_config, graph_settings, cache)
     start = time.perf_counter()
     if load_compile_artifacts(entry):
+        _load_precompiled(entry, forward)
         yield "loaded"
         logger.info("compiled from cached artifacts in %.1f s", time.perf_counter() - start)
         return
     with entry.writer(model_name=model_name) as writer:
         if writer.reused:  # another process finished the entry while this one waited
             loaded = load_compile_artifacts(entry)
+            if loaded:
+                _load_precompiled(entry, forward)
             yield "loaded" if loaded else "uncached"
             return
         yield "built" if writer.building else "uncached"
         if writer.building:
             save_compile_artifacts(writer)
+            precompiled = forward.dump() if forward is not None else None
+            if precompiled is not None:
+                writer.put(PRECOMPILED_FORWARD, precompiled)
     logger.info("compiled and captured in %.1f s", time.perf_counter() - start)
+
+
+def _load_precompiled(entry: ArtifactEntry, forward: CompiledForward | None) -> None:
+    data = entry.load_bytes(PRECOMPILED_FORWARD) if forward is not None else None
+    if data is not None and forward.load(data):
+        logger.info("loaded the precompiled model forward from %s", entry.key)

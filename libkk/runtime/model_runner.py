@@ -16,7 +16,7 @@ from tqdm import tqdm
 from libkk.config import CompilationConfig, SchedulerConfig
 from libkk.dist import get_tp_rank, get_tp_size, lockstep, track_captured_graph
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
-from libkk.graphs.compile import artifact_cache_scope, artifact_entry, compile_forward
+from libkk.graphs.compile import CompiledForward, artifact_cache_scope, artifact_entry
 from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
 from libkk.layers.attention import kv_scale_calibration_pending
@@ -112,7 +112,11 @@ class ModelRunner:
                 self.piecewise = PiecewiseBackend(
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
                 )
-            self.forward = compile_forward(model.forward, backend=self.piecewise)
+            # NOTE: no precompile at TP > 1: a collective's group name is baked into the
+            # serialized graph, and another process's names are not checked to match.
+            self.forward = CompiledForward(
+                model, backend=self.piecewise, precompile=get_tp_size() == 1
+            )
         if device.type == "cuda" and compilation.tune_moe_tiles:
             # Before anything compiles or captures: traces and graphs take the installed tiles.
             start = time.perf_counter()
@@ -196,7 +200,9 @@ class ModelRunner:
         # Capturing runs the compiled forward, so it compiles the one graph every step size uses;
         # the artifact cache stores it for the next start.
         model_config, graph_settings = self._artifact_inputs(compilation, sizes, max_blocks_per_seq)
-        with artifact_cache_scope(self.device, model_config, graph_settings) as how:
+        with artifact_cache_scope(
+            self.device, model_config, graph_settings, forward=self.forward
+        ) as how:
             self.compile_cache = how
             if self.piecewise is not None:
                 self._capture_pieces(progress)

@@ -73,9 +73,9 @@ def test_piecewise_backend_splits_at_attention_and_equals_eager(tiny_llama_dir):
 
 
 def test_piecewise_pieces_compile_once_for_every_token_count(tiny_llama_dir):
-    """Through compile_forward (the token count unbacked) the piecewise backend splits and
+    """Through CompiledForward (the token count unbacked) the piecewise backend splits and
     compiles the graph once; a one-token decode step reuses it and equals eager."""
-    from libkk.graphs.compile import compile_forward
+    from libkk.graphs.compile import CompiledForward
     from libkk.graphs.piecewise import PiecewiseBackend
     from torch._dynamo.backends.common import aot_autograd
 
@@ -87,7 +87,7 @@ def test_piecewise_pieces_compile_once_for_every_token_count(tiny_llama_dir):
     model, kv, ids, pos, metadata = _step(tiny_llama_dir)
     backend = PiecewiseBackend(sizes=[1, 8], compile_piece=compile_piece)
     torch._dynamo.reset()
-    forward = compile_forward(model.forward, backend=backend)
+    forward = CompiledForward(model, backend=backend)
     decode = build_attn_metadata([([5, 6, 7, 8, 9, 10], 5)], [[3, 7]], 4)  # request 0's next token
     with torch.no_grad():
         with set_forward_context(metadata):

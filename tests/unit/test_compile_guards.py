@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from libkk.graphs.capture import DecodeGraphs
-from libkk.graphs.compile import MIN_RECOMPILE_LIMIT, compile_forward
+from libkk.graphs.compile import MIN_RECOMPILE_LIMIT, CompiledForward
 from torch._dynamo.testing import CompileCounter
 
 from libkk import Session
@@ -18,7 +18,7 @@ def test_graph_inputs_and_step_inputs_share_one_compiled_entry(tiny_qwen3_dir):
     with Session(str(tiny_qwen3_dir), dtype="float32", max_model_len=128, progress=False) as s:
         model, bs = s.engine.model, s.engine.config.cache.block_size
         counter = CompileCounter()
-        forward = compile_forward(model.forward, backend=counter)
+        forward = CompiledForward(model, backend=counter)
         assert torch._dynamo.config.recompile_limit >= MIN_RECOMPILE_LIMIT
         graphs = DecodeGraphs(forward, capture_sizes=[1, 2, 4], max_blocks_per_seq=4,
                               block_size=bs, device=torch.device("cpu"))  # fmt: skip
