@@ -57,35 +57,40 @@ class CompiledForward:
         backend: str | Callable[..., Any] | None = None,
         precompile: bool = True,
     ) -> None:
-        _allow_recompiles_per_session()
         self.model = model
-        backend = backend or "inductor"
-        self._compiled = torch.compile(model.forward, dynamic=True, backend=backend)
-        # Precompiled from the unbound function, the model an argument: a module cannot be
-        # serialized, and a fresh process passes its own.
-        self._function = type(model).forward
-        self._aot_compile = None
-        if precompile and isinstance(backend, str):
-            whole = torch.compile(self._function, fullgraph=True, dynamic=True, backend=backend)
-            self._aot_compile = getattr(whole, "aot_compile", None)  # torch >= 2.10
+        self._backend = backend or "inductor"
+        # Created at first use: torch.compile's imports take seconds, and a warm start that
+        # loads the precompiled function never needs it.
+        self._compiled: Forward | None = None
+        self._can_precompile = precompile and isinstance(self._backend, str)
         self.precompiled: Any = None  # torch's AOTCompiledFunction, once compiled or loaded
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.precompiled is None and self._aot_compile is not None:
+        if self.precompiled is None and self._can_precompile:
             self._precompile(input_ids, positions)
         if self.precompiled is not None:
             if self.precompiled.guard_check(self.model, input_ids, positions):
                 return self.precompiled.fn(self.model, input_ids, positions)
             self._give_up("its guards reject a call")
+        if self._compiled is None:
+            _allow_recompiles_per_session()
+            self._compiled = torch.compile(self.model.forward, dynamic=True, backend=self._backend)
         return self._compiled(*_unbacked(input_ids, positions))
 
     def _precompile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         start = time.perf_counter()
+        # Precompiled from the unbound function, the model an argument: a module cannot be
+        # serialized, and a fresh process passes its own. torch 2.10 and 2.11 offer
+        # `aot_compile` only with the flag set (later versions by default).
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            whole = torch.compile(
+                type(self.model).forward, fullgraph=True, dynamic=True, backend=self._backend
+            )
         try:
             # Guards record the grad mode: compile as the runner calls (inference mode).
             with torch.inference_mode():
                 example = (self.model, *_unbacked(input_ids, positions))
-                self.precompiled = self._aot_compile((example, {}))
+                self.precompiled = whole.aot_compile((example, {}))
         except Exception as e:  # torch internals: fall back to plain torch.compile
             self._give_up(f"{type(e).__name__}: {e}")
             return
@@ -103,7 +108,7 @@ class CompiledForward:
 
     def load(self, data: bytes) -> bool:
         """Restores a precompiled function `dump` gave; False (logged) if torch rejects it."""
-        if self._aot_compile is None:
+        if not self._can_precompile:
             return False
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
@@ -111,7 +116,7 @@ class CompiledForward:
             # Its guards are rebuilt here and compare against the grad mode of this moment.
             with torch.inference_mode():
                 self.precompiled = AOTCompiledFunction.deserialize(
-                    data, f_globals=self._function.__globals__
+                    data, f_globals=type(self.model).forward.__globals__
                 )
         except Exception as e:  # torch internals: compile instead
             logger.warning("cannot load the precompiled forward (%s: %s)", type(e).__name__, e)
@@ -121,7 +126,7 @@ class CompiledForward:
     def _give_up(self, why: str) -> None:
         logger.warning("the model forward runs without precompile: %s", why)
         self.precompiled = None
-        self._aot_compile = None
+        self._can_precompile = False
 
 
 def _unbacked(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
