@@ -92,3 +92,30 @@ def test_a_call_the_guards_reject_falls_back_to_torch_compile(tiny_llama_dir, ca
             out = forward(ids.to(torch.int32), pos)  # its guards hold the ids' dtype
     torch.testing.assert_close(out, eager)
     assert forward.precompiled is None and "guards reject" in caplog.text
+
+
+def test_the_precompiled_forward_keeps_the_aux_hidden_states(tiny_llama_dir):
+    """A drafter reads hidden states the forward stores on the model as a side effect: the
+    precompiled function (as compiled, and as dumped and loaded) stores the eager ones."""
+    model, _ = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), progress=False)
+    PagedKV(model, num_blocks=16, block_size=4)
+    model.set_aux_hidden_layers((0, 1))
+    torch._dynamo.reset()
+    with torch.inference_mode():  # inference tensors, as the runner passes
+        requests, tables = [([5, 6, 7, 8, 9], 0), ([11, 12], 0)], [[3, 7], [5]]
+        ids, pos, metadata = build_attn_metadata(requests, tables, 4)
+    with torch.inference_mode(), set_forward_context(metadata):
+        eager = model.forward(ids, pos)
+        eager_aux = model.aux_hidden_states.clone()
+        compiled = CompiledForward(model, backend="aot_eager")
+        loaded = CompiledForward(model, backend="aot_eager")
+        for forward in (compiled, loaded):
+            model.set_aux_hidden_layers((0, 1))  # clears the stash
+            if forward is loaded:
+                assert loaded.load(compiled.dump())
+                # as in a fresh process: precompiling marked the first inputs' token dims
+                ids, pos = ids.clone(), pos.clone()
+            torch.testing.assert_close(forward(ids, pos), eager)
+            assert forward.precompiled is not None
+            # the raw residual stream (values in the hundreds): compiled code rounds differently
+            torch.testing.assert_close(model.aux_hidden_states, eager_aux, rtol=1e-5, atol=1e-3)
