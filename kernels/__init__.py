@@ -9,12 +9,26 @@ from __future__ import annotations
 
 from .attention import default_num_splits, paged_attention, paged_attention_ref
 from .kv_cache import FP8_DTYPE, store_kv, store_kv_ref
+from .norm import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_norm_rope,
+    qk_norm_rope_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 
 __all__ = [
     "FP8_DTYPE",
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "default_num_splits",
     "paged_attention",
     "paged_attention_ref",
+    "qk_norm_rope",
+    "qk_norm_rope_ref",
+    "rms_norm",
+    "rms_norm_ref",
     "store_kv",
     "store_kv_ref",
 ]

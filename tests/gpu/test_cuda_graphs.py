@@ -8,13 +8,15 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto", **settings):
+def _generate(
+    path, prompts, mode, compile_=False, kv_cache_dtype="auto", device="cuda", **settings
+):
     from libkk import SamplingParams, Session
 
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     with Session(
         str(path),
-        device="cuda",
+        device=device,
         dtype="float32",
         max_num_seqs=16,
         max_model_len=512,
@@ -30,6 +32,15 @@ def _generate(path, prompts, mode, compile_=False, kv_cache_dtype="auto", **sett
         if "PIECEWISE" in mode:
             assert runner.piecewise.pieces and all(p.graphs for p in runner.piecewise.pieces)
         return [o.token_ids for o in s.generate(prompts, params)]
+
+
+def test_cuda_ops_give_the_cpu_path_tokens(tiny_qwen3_dir):
+    """CUDA runs the Triton ops (fused norms, q/k norm + rotary, attention) where the CPU runs
+    the torch references: fp32, greedy, the same tokens."""
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (3, 50, 130)]
+    cpu = _generate(tiny_qwen3_dir, prompts, "NONE", device="cpu")
+    assert _generate(tiny_qwen3_dir, prompts, "NONE") == cpu
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 13])

@@ -1,0 +1,110 @@
+"""rms_norm, add_rms_norm and qk_norm_rope against their torch references: fresh random inputs,
+strided rows (slices of a fused projection's output), sizes that are not powers of two, zero,
+one and several tokens. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from libkk.kernels import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_norm_rope,
+    qk_norm_rope_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from libkk.kernels._jit import INTERPRETED
+
+from libkk.layers.rotary import RopeConfig, RotaryEmbedding
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not (ON_CUDA or INTERPRETED),
+    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
+)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+# One rounding step of the dtype apart at most (the reduction order differs).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100, 4096])
+@pytest.mark.parametrize("num_tokens", [0, 1, 7])
+def test_rms_norm_and_add_rms_norm_equal_the_reference(dtype, hidden, num_tokens):
+    g = torch.Generator().manual_seed(hidden + num_tokens)
+    # x is a column slice of a wider output (rows strided), as a fused projection's part is
+    wide = torch.randn(num_tokens, hidden + 24, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, 8 : 8 + hidden]
+    residual = (torch.randn(num_tokens, hidden, generator=g) * 4).to(dtype).to(DEVICE)
+    weight = (1 + torch.randn(hidden, generator=g) / 4).to(dtype).to(DEVICE)
+    _close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), dtype)
+    out, summed = add_rms_norm(x, residual, weight, 1e-6)
+    want_out, want_summed = add_rms_norm_ref(x, residual, weight, 1e-6)
+    _close(out, want_out, dtype)
+    assert torch.equal(summed, want_summed)  # one rounding of the same sum
+
+
+def test_rms_norm_keeps_leading_dims_and_promotes_to_the_weight_dtype():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 32, generator=g).to(torch.float16).to(DEVICE)
+    weight = torch.randn(32, generator=g).to(DEVICE)  # fp32
+    got = rms_norm(x, weight, 1e-5)
+    assert got.shape == (3, 4, 32) and got.dtype == torch.float32
+    _close(got, rms_norm_ref(x, weight, 1e-5), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# (q heads, kv heads, head_dim): small layouts, an odd one, and Qwen3-8B's
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 3, 24), (32, 8, 128)])
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_qk_norm_rope_equals_the_reference(dtype, heads, num_tokens):
+    num_heads, num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(num_heads * 100 + num_tokens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    qkv = (qkv * 3).to(dtype).to(DEVICE)
+    q = qkv[:, : num_heads * head_dim]  # strided rows, as the fused projection's parts
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(head_dim, 512, RopeConfig(theta=10000.0))
+    positions = torch.randint(0, 512, (num_tokens,), generator=g).to(DEVICE)
+    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+    got_q, got_k = qk_norm_rope(q, k, *args)
+    want_q, want_k = qk_norm_rope_ref(q, k, *args)
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+
+
+def test_qk_norm_rope_reference_is_the_model_path():
+    """The reference is Qwen3Attention's CPU path: q/k RMSNorm modules, then RotaryEmbedding."""
+    from libkk.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 32
+    q = torch.randn(num_tokens, num_heads * head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(num_tokens, num_kv_heads * head_dim, generator=g).to(torch.bfloat16)
+    q_norm, k_norm = RMSNorm(head_dim).to(torch.bfloat16), RMSNorm(head_dim).to(torch.bfloat16)
+    with torch.no_grad():
+        q_norm.weight.normal_(1, 0.2, generator=g)
+        k_norm.weight.normal_(1, 0.2, generator=g)
+    rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.tensor([0, 3, 9, 63, 17])
+    want_q, want_k = rope(
+        positions,
+        q_norm(q.view(num_tokens, num_heads, head_dim)).view(num_tokens, -1),
+        k_norm(k.view(num_tokens, num_kv_heads, head_dim)).view(num_tokens, -1),
+    )
+    got_q, got_k = qk_norm_rope_ref(
+        q, k, q_norm.weight, k_norm.weight, rope.cos_sin_cache, positions, q_norm.eps
+    )
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
