@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.config import CompilationConfig, SchedulerConfig
-from libkk.dist import get_tp_rank, get_tp_size, lockstep, track_captured_graph
+from libkk.dist import get_tp_rank, get_tp_size, get_tp_state, lockstep, track_captured_graph
 from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
 from libkk.graphs.compile import CompiledForward, artifact_cache_scope, artifact_entry
 from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
@@ -112,11 +112,7 @@ class ModelRunner:
                 self.piecewise = PiecewiseBackend(
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
                 )
-            # NOTE: no precompile at TP > 1: a collective's group name is baked into the
-            # serialized graph, and another process's names are not checked to match.
-            self.forward = CompiledForward(
-                model, backend=self.piecewise, precompile=get_tp_size() == 1
-            )
+            self.forward = CompiledForward(model, backend=self.piecewise)
         if device.type == "cuda" and compilation.tune_moe_tiles:
             # Before anything compiles or captures: traces and graphs take the installed tiles.
             start = time.perf_counter()
@@ -149,6 +145,9 @@ class ModelRunner:
             "stash_aux_hidden": self.stash_aux_hidden,
             # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
             "tensor_parallel": [get_tp_rank(), get_tp_size()],
+            # A compiled collective names its process group: a precompiled forward stored under
+            # one name must not run where the group has another.
+            "tp_group": group.group_name if (group := get_tp_state().group) else None,
         }
         return dataclasses.asdict(self.model.config), graph_settings
 
