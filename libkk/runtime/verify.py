@@ -16,6 +16,7 @@ Outputs differ from the target's under it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -56,28 +57,31 @@ def verify(
     if all(r.sampling.takes_raw_argmax() for r in requests):  # type: ignore[union-attr]
         # Only the argmax of each row is read and processing keeps it (bans and penalties never
         # grow over a request's positions): no per-position rows.
-        processed = torch.cat(list(logits))  # [sum(1 + n), V]
+        processed = _concat_rows(logits)  # [sum(1 + n), V]
     else:
         for r in requests:
             rows.append(position_rows(r.sampling, r.spec_token_ids, r.num_spec_tokens + 1))  # type: ignore[arg-type]
         flat_rows = [row for per in rows for row in per]
-        processed = process_logits(torch.cat(list(logits)), flat_rows)  # [sum(1 + n), V]
+        processed = process_logits(_concat_rows(logits), flat_rows)  # [sum(1 + n), V]
 
     # temperature 1 for sampled rows (process_logits has applied theirs), 0 for greedy ones
     index, drafts, num_draft, seeds, positions, temperatures = _step_inputs(
         requests, k, device, [0.0 if g else 1.0 for g in greedy]
     )
-    target = processed[index]  # [R, K+1, V]
 
+    # NOTE: greedy and synthetic verification read one argmax per row, or one row per request:
+    # no [R, K+1, V] copy of the rows by `index` (at batch 32 two copies of ~150 MB a step).
     if synthetic_rates is not None:
-        out, _ = _synthetic(target, drafts, num_draft, greedy, seeds, positions, synthetic_rates)
+        out, _ = _synthetic(
+            processed, index, drafts, num_draft, greedy, seeds, positions, synthetic_rates
+        )
     elif all(greedy):
         # NOTE: rejection_sample's greedy result without the keyed noise it would draw for
         # random rows (a full-vocabulary hash per row).
-        out, _ = _greedy(target, drafts, num_draft)
+        out, _ = _accept_argmax(processed.argmax(dim=-1)[index], drafts, num_draft)
     else:
         out, _ = rejection_sample(
-            target,
+            processed[index],  # [R, K+1, V]
             drafts,
             _draft_probs(requests, rows, drafts, k, vocab, device),
             temperatures.float(),
@@ -245,13 +249,26 @@ def _draft_probs(
     return q
 
 
-def _greedy(target: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
-    """Accept drafts while they equal the target's argmax; then the argmax.  # [R, K+1], [R]"""
-    return _accept_argmax(target.argmax(dim=-1), drafts, num_draft)  # ties to the lowest id
+def _concat_rows(logits: Sequence[Tensor]) -> Tensor:
+    """The requests' rows as one [sum(1 + n), V] tensor: a view when they lie back to back in
+    one tensor (the step's logits hold no plain rows between them), else a copy."""
+    first = logits[0]
+    row_bytes = first.stride(0) * first.element_size()
+    adjacent = all(
+        b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.shape[0] * row_bytes
+        and b.stride() == first.stride()
+        for a, b in itertools.pairwise(logits)
+    )
+    if not adjacent or first.stride(-1) != 1:
+        return torch.cat(list(logits))
+    total = sum(x.shape[0] for x in logits)
+    return first.as_strided((total, first.shape[1]), first.stride())
 
 
 def _accept_argmax(argmax: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
-    """_greedy from the target's argmax [R, K+1].  # [R, K+1], [R]"""
+    """Accept drafts while they equal the target's argmax [R, K+1] (ties to the lowest id);
+    then the argmax at the first rejection.  # [R, K+1], [R]"""
     num_rows, k1 = argmax.shape
     k = k1 - 1
     steps = torch.arange(k, device=argmax.device)
@@ -265,7 +282,8 @@ def _accept_argmax(argmax: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[T
 
 
 def _synthetic(
-    target: Tensor,  # [R, K+1, V] processed
+    processed: Tensor,  # [sum(1 + n), V]
+    index: Tensor,  # [R, K+1] each request's rows in `processed`
     drafts: Tensor,  # [R, K]
     num_draft: Tensor,  # [R]
     greedy: list[bool],
@@ -273,9 +291,9 @@ def _synthetic(
     positions: Tensor,
     rates: Sequence[float],
 ) -> tuple[Tensor, Tensor]:
-    num_rows, k1, _ = target.shape
+    num_rows, k1 = index.shape
     k = k1 - 1
-    device = target.device
+    device = processed.device
     steps = torch.arange(k, device=device)
     per_pos = [rates[min(j, len(rates) - 1)] for j in range(k)]
     rate = torch.tensor(per_pos, dtype=torch.float32, device=device)  # [K]
@@ -287,7 +305,7 @@ def _synthetic(
     accept = (u < rate[None, :]) & (steps[None, :] < num_draft[:, None])  # [R, K]
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
     rows = torch.arange(num_rows, device=device)
-    final_logits = target[rows, num_accepted]  # [R, V]
+    final_logits = processed[index[rows, num_accepted]]  # [R, V]
     final = final_logits.argmax(dim=-1)
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if random_rows:  # keyed noise only where a row samples

@@ -135,3 +135,23 @@ def test_synthetic_final_token_is_the_plain_samplers_in_ragged_mixed_batches(rat
         row = position_rows(r.sampling, r.spec_token_ids, n + 1)[accepted]
         expected = sampler(x[accepted : accepted + 1], [row]).token_ids[0]
         assert tokens[-1] == expected
+
+
+def test_rows_back_to_back_are_joined_without_a_copy():
+    from libkk.runtime.verify import _concat_rows
+
+    logits = torch.randn(9, VOCAB)
+    for parts in (
+        [logits[0:3], logits[3:4], logits[4:9]],
+        [logits[0:3, :16], logits[3:5, :16]],  # strided rows: still one view
+    ):
+        joined = _concat_rows(parts)
+        assert joined.data_ptr() == logits.data_ptr() and torch.equal(joined, torch.cat(parts))
+    for parts in (
+        [logits[0:3], logits[4:9]],  # a plain row between them
+        [logits[3:4], logits[0:3]],  # out of order
+        [logits[0:3], torch.randn(2, VOCAB)],  # another tensor
+    ):
+        joined = _concat_rows(parts)
+        assert torch.equal(joined, torch.cat(parts))
+        assert joined.data_ptr() != logits.data_ptr()
