@@ -182,17 +182,13 @@ def artifact_cache_scope(
     """
     entry = artifact_entry(device, model_config, graph_settings, cache)
     start = time.perf_counter()
-    if load_compile_artifacts(entry):
-        _load_precompiled(entry, forward)
+    if _load_entry(entry, forward):
         yield "loaded"
         logger.info("compiled from cached artifacts in %.1f s", time.perf_counter() - start)
         return
     with entry.writer(model_name=model_name) as writer:
         if writer.reused:  # another process finished the entry while this one waited
-            loaded = load_compile_artifacts(entry)
-            if loaded:
-                _load_precompiled(entry, forward)
-            yield "loaded" if loaded else "uncached"
+            yield "loaded" if _load_entry(entry, forward) else "uncached"
             return
         yield "built" if writer.building else "uncached"
         if writer.building:
@@ -203,7 +199,13 @@ def artifact_cache_scope(
     logger.info("compiled and captured in %.1f s", time.perf_counter() - start)
 
 
-def _load_precompiled(entry: ArtifactEntry, forward: CompiledForward | None) -> None:
-    data = entry.load_bytes(PRECOMPILED_FORWARD) if forward is not None else None
-    if data is not None and forward.load(data):
-        logger.info("loaded the precompiled model forward from %s", entry.key)
+def _load_entry(entry: ArtifactEntry, forward: CompiledForward | None) -> bool:
+    """Loads a ready entry's torch.compile artifacts and `forward`'s precompiled function;
+    True if either was there and loaded."""
+    loaded = load_compile_artifacts(entry)
+    if forward is not None and entry.manifest() is not None:
+        data = entry.load_bytes(PRECOMPILED_FORWARD)
+        if data is not None and forward.load(data):
+            logger.info("loaded the precompiled model forward from %s", entry.key)
+            loaded = True
+    return loaded

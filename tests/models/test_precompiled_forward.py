@@ -119,3 +119,33 @@ def test_the_precompiled_forward_keeps_the_aux_hidden_states(tiny_llama_dir):
             assert forward.precompiled is not None
             # the raw residual stream (values in the hundreds): compiled code rounds differently
             torch.testing.assert_close(model.aux_hidden_states, eager_aux, rtol=1e-5, atol=1e-3)
+
+
+def test_an_entry_holding_only_the_precompiled_forward_is_loaded(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Without torch.compile cache artifacts to store (torch produced none), the entry keeps the
+    precompiled forward, and a later start loads it rather than rebuilding."""
+    from libkk.graphs.artifacts import COMPILE_ARTIFACTS, ArtifactCache
+    from libkk.graphs.compile import artifact_cache_scope
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    model, _ = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), progress=False)
+    PagedKV(model, num_blocks=16, block_size=4)
+    cache = ArtifactCache(tmp_path)
+    torch._dynamo.reset()
+    hows = []
+    for _ in range(2):
+        with torch.inference_mode():  # fresh inference tensors each start, as the runner's
+            ids, pos, metadata = build_attn_metadata([([5, 6, 7], 0)], [[3]], 4)
+        forward = CompiledForward(model, backend="aot_eager")
+        with torch.inference_mode(), set_forward_context(metadata):
+            with artifact_cache_scope(
+                torch.device("cpu"), {"model": "tiny"}, {}, cache=cache, forward=forward
+            ) as how:
+                torch.testing.assert_close(forward(ids, pos), model.forward(ids, pos))
+        hows.append(how)
+        assert forward.precompiled is not None
+    assert hows == ["built", "loaded"]
+    entry = next(p for p in tmp_path.iterdir() if p.is_dir())
+    assert (entry / "forward.bin").exists() and not (entry / COMPILE_ARTIFACTS).exists()
