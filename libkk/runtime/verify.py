@@ -165,11 +165,11 @@ def verify_from_shards(
     index, drafts, num_draft, seeds, positions, temperatures = _step_inputs(
         requests, k, device, temps
     )
-    target = torch.cat(list(logits))[index]  # [R, K+1, Vs]
+    shard = _concat_rows(logits)  # [sum(1 + n), Vs]
 
     if all(row.params.greedy for row in rows):  # type: ignore[union-attr]
         # The argmax alone: one [rows, 2] gather of each shard's (max, token), no keyed noise.
-        stats = shard_argmax_stats(target.reshape(-1, size), vocab_start)
+        stats = shard_argmax_stats(shard, vocab_start)[index.reshape(-1)]  # [R * (K+1), 2]
         argmax = merge_shard_argmax(gather([stats])).view(len(requests), k + 1)
         out, num_accepted = _accept_argmax(argmax, drafts, num_draft)
         return _accepted_tokens(out, num_accepted)
@@ -200,7 +200,7 @@ def verify_from_shards(
         draft_shards.scatter_(2, at, torch.where(owned[..., None], 0.0, kept))
 
     out, num_accepted = vocab_parallel_rejection_sample(
-        [target],
+        [shard[index]],  # [R, K+1, Vs]
         None if draft_shards is None else [draft_shards],
         [vocab_start],
         drafts,
