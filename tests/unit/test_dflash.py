@@ -478,10 +478,11 @@ def test_shipped_drafter_proposes_for_the_default_model(default_target) -> None:
 
     prompts = [chat_prompt_ids(tokenizer, t) for t in builtin_prompts(held_out=True)[:4]]
     report = measure_acceptance(model, prop, prompts, 40, sorted(tokenizer.eos_token_ids))
-    # Deterministic (greedy, fp32): measured 1.139 on these prompts (1.170 over 6 held-out
-    # prompts of 64 tokens); a uniformly random draft would give 1 + 1/49152. The shipped
-    # CPU-trained drafter is still weak: `libkk train-drafter --device cuda ...` trains a better one.
-    assert all(report.outputs) and report.mean_acceptance_length > 1.1, report
+    # Deterministic (greedy, fp32): measured 1.238 on these prompts (1.279 over 6 held-out
+    # prompts of 64 tokens, 1.508 over 16); a uniformly random draft would give 1 + 1/49152. The
+    # shipped CPU-trained drafter is still weak: `libkk train-drafter --device cuda ...` trains a
+    # better one.
+    assert all(report.outputs) and report.mean_acceptance_length > 1.2, report
 
 
 # -- through the engine -------------------------------------------------------------------------
