@@ -121,13 +121,15 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # NOTE: HF casts back to the input dtype *before* the weight multiply; keep that order so
+    # bf16 rounding matches too.
     return weight * xf.to(x.dtype)
 
 
 def add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
+    summed = x + residual  # in the activation dtype, as HF's `residual + hidden_states`
     return rms_norm_ref(summed, weight, eps), summed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libkk.kernels.norm import add_rms_norm, rms_norm
+from libkk.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
 
     `forward(x)` returns norm(x). `forward(x, residual)` first adds the residual and returns
     `(norm(x + residual), x + residual)`, so a decoder layer carries the un-normed stream along
-    without a separate add. CUDA tensors take one fused kernel (libkk.kernels.norm).
+    without a separate add. CUDA tensors take one fused kernel (libkk.kernels.norm), CPU tensors its
+    torch reference.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -21,27 +22,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        dtype = x.dtype
-        xf = x.float()
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        xf = xf * torch.rsqrt(variance + self.eps)
-        # NOTE: HF casts back to the input dtype *before* the weight multiply; keep that order so
-        # bf16 rounding matches too.
-        return self.weight * xf.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda:
-            if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return add_rms_norm(x, residual, self.weight, self.eps)
+        # CUDA: one kernel; CPU: the op's torch reference (HF's order of casts and adds).
         if residual is None:
-            return self._norm(x)
-        # NOTE: the add runs in the activation dtype, as in HF's `residual + hidden_states`.
-        x = x + residual
-        return self._norm(x), x
+            return (rms_norm if x.is_cuda else rms_norm_ref)(x, self.weight, self.eps)
+        return (add_rms_norm if x.is_cuda else add_rms_norm_ref)(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libkk.kernels.norm import qk_norm_rope
+from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RotaryEmbedding
 from libkk.models.arch_config import ArchConfig
@@ -25,16 +25,13 @@ class Qwen3Attention(LlamaAttention):
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
-        if q.is_cuda:  # one kernel for both norms and the rotation
-            q, k = qk_norm_rope(
-                q, k, self.q_norm.weight, self.k_norm.weight,
-                self.rotary_emb.cos_sin_cache, positions, self.q_norm.eps,
-            )  # fmt: skip
-        else:
-            num_tokens = hidden.shape[0]
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary_emb(positions, q.view(num_tokens, -1), k.view(num_tokens, -1))
+        # CUDA: one kernel for both norms and the rotation; CPU: its torch reference, which is
+        # q_norm / k_norm then rotary_emb.
+        norm_rope = qk_norm_rope if q.is_cuda else qk_norm_rope_ref
+        q, k = norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight,
+            self.rotary_emb.cos_sin_cache, positions, self.q_norm.eps,
+        )  # fmt: skip
         out = self.attn(q, k, v)  # [T, H * D]
         return self.o_proj(out)
 

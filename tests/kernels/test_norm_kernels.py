@@ -86,7 +86,7 @@ def test_qk_norm_rope_equals_the_reference(dtype, heads, num_tokens):
 
 
 def test_qk_norm_rope_reference_is_the_model_path():
-    """The reference is Qwen3Attention's CPU path: q/k RMSNorm modules, then RotaryEmbedding."""
+    """The reference equals q/k RMSNorm modules, then RotaryEmbedding (the Llama rotary path)."""
     from libkk.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(5)
