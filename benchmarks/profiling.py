@@ -43,6 +43,7 @@ def device_timeline(prof, steps: int) -> str:  # noqa: ANN001 - torch.profiler.p
 # Kernel families by name: the first pattern a kernel's name contains decides its row.
 FAMILIES = (
     ("attention", ("_decode_kernel", "_varlen_kernel", "_merge_splits", "_store_kv")),
+    ("norms and rotary", ("_rms_norm_kernel", "_qk_norm_rope_kernel")),
     (
         "MoE experts and routing",
         (
