@@ -88,7 +88,9 @@ class CompiledForward:
             )
         try:
             # Guards record the grad mode: compile as the runner calls (inference mode).
-            with torch.inference_mode():
+            # Floats (the norms' eps, passed to custom ops) stay constants: made symbolic,
+            # Dynamo restarts its analysis to tensorify them, which aot_compile cannot do.
+            with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
                 example = (self.model, *_unbacked(input_ids, positions))
                 self.precompiled = whole.aot_compile((example, {}))
         except Exception as e:  # torch internals: fall back to plain torch.compile

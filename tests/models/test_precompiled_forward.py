@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from libkk.graphs.compile import CompiledForward
 
@@ -55,24 +56,40 @@ _START = textwrap.dedent(
 )
 
 
-def _start(model_dir: Path, root: Path) -> dict:
+# The model calling libkk's Triton ops (in the interpreter) where the CPU path calls their torch
+# references, as on CUDA: custom ops with float arguments in the precompiled graph.
+_OPS = """
+import libkk.kernels as ops, libkk.layers.linear, libkk.layers.norm
+libkk.layers.norm.rms_norm_ref, libkk.layers.norm.add_rms_norm_ref = ops.rms_norm, ops.add_rms_norm
+libkk.layers.linear.linear = ops.linear
+"""
+
+
+def _start(model_dir: Path, root: Path, triton_ops: bool = False) -> dict:
+    script = _START.replace("import torch\n", "import torch\n" + _OPS, 1) if triton_ops else _START
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    if triton_ops:
+        env["TRITON_INTERPRET"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _START, str(model_dir), str(root), str(REPO)],
+        [sys.executable, "-c", script, str(model_dir), str(root), str(REPO)],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")},
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_loads_the_forward_without_tracing_it(tiny_llama_dir, tmp_path):
-    built = _start(tiny_llama_dir, tmp_path)
+@pytest.mark.parametrize("triton_ops", [False, True], ids=["torch-ops", "triton-ops"])
+def test_a_second_process_loads_the_forward_without_tracing_it(
+    tiny_llama_dir, tmp_path, triton_ops
+):
+    built = _start(tiny_llama_dir, tmp_path, triton_ops)
     assert built["how"] == "built" and built["precompiled"]
     assert built["traces"] == 1 and built["max_diff"] < 1e-5
     assert next(tmp_path.glob("*/forward.bin")).stat().st_size > 0
-    loaded = _start(tiny_llama_dir, tmp_path)
+    loaded = _start(tiny_llama_dir, tmp_path, triton_ops)
     assert loaded["how"] == "loaded" and loaded["precompiled"]
     assert loaded["traces"] == 0  # the stored function ran
     assert loaded["max_diff"] < 1e-5
