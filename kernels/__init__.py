@@ -8,6 +8,7 @@ for tests at small shapes).
 from __future__ import annotations
 
 from .attention import default_num_splits, paged_attention, paged_attention_ref
+from .gemv import gate_up_silu, gate_up_silu_ref, linear, linear_ref
 from .kv_cache import FP8_DTYPE, store_kv, store_kv_ref
 from .norm import (
     add_rms_norm,
@@ -23,6 +24,10 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_ref",
     "default_num_splits",
+    "gate_up_silu",
+    "gate_up_silu_ref",
+    "linear",
+    "linear_ref",
     "paged_attention",
     "paged_attention_ref",
     "qk_norm_rope",

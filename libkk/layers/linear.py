@@ -31,6 +31,7 @@ from torch import nn
 
 from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError
+from libkk.kernels.gemv import linear as gemv_linear
 
 WHOLE = frozenset({None})
 # (dim, start, stop) ranges of a checkpoint tensor along one dim, concatenated in order.
@@ -65,14 +66,17 @@ _SMALL_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b), as F.linear computes it, but faster for the few rows of a CPU decode step.
+    """x W^T (+ b), as F.linear computes it, but faster for the few rows of a decode step.
 
+    CUDA: the `libkk::linear` op (a Triton GEMV for a few tokens, cuBLAS above).
     NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
     a few; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
     fp32 shapes on a 2-core machine, about even at 256-512 and 2x slower at 1.5K (prefill), so
     only decode-sized inputs take it. One row is doubled so it takes the gemm path too. Traced
     code (torch.compile) takes F.linear: its token count may be unbacked, not to branch on.
     """
+    if x.is_cuda:
+        return gemv_linear(x, weight, bias)
     if (
         x.device.type != "cpu"
         or torch.compiler.is_compiling()

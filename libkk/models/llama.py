@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from libkk.dist import all_gather_last_dim, get_tp_size
+from libkk.kernels.gemv import gate_up_silu
 from libkk.layers.activation import SiluAndMul
 from libkk.layers.attention import Attention
 from libkk.layers.embedding import LMHead, VocabEmbedding
@@ -45,8 +46,11 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(self.act_fn(gate_up))
+        if x.is_cuda:  # the product and the activation in one kernel at decode sizes
+            act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        else:
+            act = self.act_fn(self.gate_up_proj(x))  # [num_tokens, intermediate]
+        return self.down_proj(act)
 
 
 class LlamaAttention(nn.Module):

@@ -1,0 +1,140 @@
+"""One-token dense projections: libkk's GEMV (`libkk::linear`, `libkk::gate_up_silu`) vs cuBLAS
+(F.linear, and F.linear + silu * mul for the MLP) vs the floor (weight bytes / copy bandwidth).
+
+Shapes are the Qwen3-8B and Qwen3-30B-A3B projections (bf16). Each case is timed as a CUDA graph
+of 20 calls that cycle over 4 weight copies, so the weight comes from HBM, not the 60 MB L2; the
+graph is replayed `--repeats` times and the median per call is reported with its spread.
+`--sweep` also times a grid of block configurations at one token and prints the best next to the
+one `gemv_config` picks, the check on its heuristic.
+
+    python benchmarks/gemv.py [--sweep] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from floors import copy_bandwidth
+from libkk.kernels.gemv import GemvConfig, gemv, gemv_config
+
+SHAPES = {  # name: (out, in, fused silu)
+    "8b qkv": (6144, 4096, False),
+    "8b o": (4096, 4096, False),
+    "8b gate_up+silu": (24576, 4096, True),
+    "8b down": (4096, 12288, False),
+    "8b lm_head": (151936, 4096, False),
+    "30b qkv": (5120, 2048, False),
+    "30b o": (2048, 4096, False),
+    "30b router": (128, 2048, False),
+}
+COPIES = 4
+CALLS = 20
+SWEEP = [GemvConfig(bn, bk, u, 1, 4) for bn, bk, u in itertools.product(
+    (4, 8, 16), (256, 512), (1, 2))] + [
+    GemvConfig(bn, 256, 1, sp, w) for bn, sp, w in itertools.product(
+        (16, 32), (4, 8), (4, 8))]  # fmt: skip
+
+
+def graph_seconds(fn, repeats: int) -> list[float]:
+    """Seconds per call: a CUDA graph of CALLS calls, replayed `repeats` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / CALLS)
+    return times
+
+
+def cycling(weights: list[torch.Tensor], call):
+    """A graph-capturable call that takes the next weight copy each time (capture unrolls it)."""
+    state = {"i": 0}
+
+    def step():
+        state["i"] = (state["i"] + 1) % len(weights)
+        return call(weights[state["i"]])
+
+    return step
+
+
+def cublas(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    if not silu:
+        return F.linear(x, weight)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) -> dict:
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+               for _ in range(COPIES)]  # fmt: skip
+    floor_s = n * k * 2 / bandwidth
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = cublas(x, weights[0], silu).float()
+    got = gemv(x, weights[0], None, silu).float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    assert err < 2e-2, f"{name}: relative error {err:.3g}"
+    peer = statistics.median(graph_seconds(
+        cycling(weights, lambda w: cublas(x, w, silu)), args.repeats))  # fmt: skip
+    ours = graph_seconds(cycling(weights, lambda w: gemv(x, w, None, silu)), args.repeats)
+    med = statistics.median(ours)
+    row = {"shape": name, "mb": n * k * 2 / 1e6, "floor_us": floor_s * 1e6,
+           "cublas_us": peer * 1e6, "libkk_us": med * 1e6,
+           "libkk_spread_us": [min(ours) * 1e6, max(ours) * 1e6]}  # fmt: skip
+    spread = f"{min(ours) * 1e6:.2f}-{max(ours) * 1e6:.2f}"
+    print(f"{name:<17}{row['mb']:>8.1f}{row['floor_us']:>10.2f}{row['cublas_us']:>11.2f}"
+          f"{row['libkk_us']:>10.2f}{spread:>14}{100 * floor_s / med:>8.0f}%"
+          f"{peer / med:>9.2f}x", flush=True)  # fmt: skip
+    if args.sweep:
+        best = None
+        for cfg in SWEEP:
+            if silu and cfg.splits > 1:
+                continue
+            call = cycling(weights, lambda w, cfg=cfg: gemv(x, w, None, silu, cfg))
+            t = statistics.median(graph_seconds(call, 5))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        print(f"  sweep {name}: best {best[0] * 1e6:.2f} µs {tuple(best[1])}, "
+              f"gemv_config picks {tuple(gemv_config(n, k, silu))}", flush=True)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'shape':<17}{'MB':>8}{'floor µs':>10}{'cuBLAS µs':>11}{'libkk µs':>10}"
+          f"{'spread':>14}{'% floor':>9}{'vs cuBLAS':>10}")  # fmt: skip
+    rows_out = []
+    for name, (n, k, silu) in SHAPES.items():
+        rows_out.append(time_shape(name, n, k, silu, args, bandwidth))
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bandwidth": bandwidth, "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""linear and gate_up_silu: dense projections of one token as a Triton GEMV; more tokens go to
+cuBLAS.
+
+A batch-1 decode step reads every weight once for one token. cuBLAS runs that product as a
+tensor-core GEMM padded to 8 tokens, and for a tall K it splits K and launches a separate reduce
+kernel; at the Qwen3-8B / 30B-A3B projection shapes on an H200 it reaches 45-85% of the copy
+bandwidth. A GEMV that gives each program a few weight rows and streams K is faster at those
+shapes (benchmarks/gemv.py). At two or more tokens the tensor cores' reuse of each weight tile
+wins, so only one-token products take the kernel.
+
+`gate_up_silu` fuses the MLP's activation: each program reads matching rows of the gate and the
+up halves of a merged gate_up weight and writes silu(gate) * up, so the [1, 2I] product is never
+stored. The gate and up sums round to the activation dtype first (as the separate matmul's output
+does); silu and the product are fp32, rounded once (as Inductor's fused pointwise kernel does).
+
+Split K: a tall K on few rows (the down projection) leaves too few programs to keep the memory
+system busy; its programs then write fp32 partial sums, which a second kernel adds in a fixed
+order (deterministic, unlike atomics).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+
+from ._jit import check_device, jit
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # weight rows per program
+    block_k: int  # columns per load
+    unroll: int  # loads in flight per loop iteration
+    splits: int  # programs along K (> 1: partial sums + a reduce kernel)
+    num_warps: int
+
+
+def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
+    """Block sizes for an [n, k] weight, from the H200 sweep in benchmarks/gemv.py: about 32 KiB
+    of weight per program, more rows per program for very wide outputs, and K split when a
+    plain grid would give too few programs (tall K, or narrow outputs). The fused gate/up
+    kernel already has two tiles in flight per step: it does not unroll."""
+    if silu_mul:
+        return GemvConfig(8, 256, 1, 1, 4)
+    if k >= 8192:  # down projections
+        return GemvConfig(16, 256, 1, 4, 4)
+    if n <= 2048 and k >= 4096:  # narrow output, long rows (30B-A3B o_proj)
+        return GemvConfig(32, 256, 1, 8, 8)
+    if n >= 16384:  # merged gate_up, lm_head
+        return GemvConfig(8, 256, 2, 1, 4)
+    return GemvConfig(4, 256 if k >= 1024 else 128, 2, 1, 4)
+
+
+@jit
+def _gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K] (SILU_MUL: [2N, K], gate rows then up rows)
+    bias_ptr,  # [N] (SILU_MUL: [2N])
+    out_ptr,  # [N] (SPLIT: fp32 [splits, N] partial sums)
+    N,
+    K,
+    k_per_split,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), tl.float32)
+    k_start = 0
+    k_stop = K
+    if SPLIT:
+        k_start = tl.program_id(1) * k_per_split
+        k_stop = k_start + k_per_split
+    for k0 in range(k_start, k_stop, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptr + n[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if SILU_MUL:
+                w_up = tl.load(
+                    w_ptr + (n[:, None] + N) * stride_w + ks[None, :], mask=w_mask, other=0.0
+                )
+                acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(1) * N + n, acc, mask=n_mask)
+    else:
+        out_ty = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            if HAS_BIAS:
+                acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
+            gate = acc.to(out_ty).to(tl.float32)
+            up = acc_up.to(out_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + n, acc.to(out_ty), mask=n_mask)
+
+
+@jit
+def _sum_splits_kernel(
+    part_ptr,  # fp32 [SPLITS, N]
+    bias_ptr,  # [N]
+    out_ptr,  # [N]
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLITS):  # a fixed order: the same sum every run
+        acc += tl.load(part_ptr + s * N + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV kernel takes this product (else F.linear)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype == weight.dtype
+        and x.dtype in _DTYPES
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+    cfg: GemvConfig | None = None,
+) -> torch.Tensor:
+    """The kernel launch behind both ops, for one token (`cfg` overrides the block sizes)."""
+    k = x.shape[-1]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    cfg = cfg or gemv_config(weight.shape[0], k, silu_mul)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    split = cfg.splits > 1 and not silu_mul
+    splits = cfg.splits if split else 1
+    k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
+    target = torch.empty((splits, n), dtype=torch.float32, device=x.device) if split else out
+    has_bias = bias is not None
+    # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
+    # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
+    _gemv_kernel[(-(-n // cfg.block_n), splits)](
+        x, weight, bias if has_bias else weight, target, n, k, k_per_split, weight.stride(0),
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UNROLL=cfg.unroll, SPLIT=split, num_warps=cfg.num_warps, num_stages=1,
+    )  # fmt: skip
+    if split:
+        block = 1024
+        _sum_splits_kernel[(-(-n // block),)](
+            target, bias if has_bias else weight, out, n,
+            HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("libkk::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [..., out]
+    """x W^T (+ b): the GEMV kernel for one token, F.linear otherwise."""
+    check_device(x)
+    if gemv_fits(x, weight):
+        return gemv(x, weight, bias, silu_mul=False)
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("libkk::gate_up_silu", mutates_args=())
+def gate_up_silu(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [2 * intermediate, in]: gate rows, then up rows
+    bias: torch.Tensor | None = None,  # [2 * intermediate]
+) -> torch.Tensor:  # [..., intermediate]
+    """silu(x W_gate^T) * (x W_up^T): one GEMV kernel for one token."""
+    check_device(x)
+    if gemv_fits(x, weight):
+        return gemv(x, weight, bias, silu_mul=True)
+    return gate_up_silu_ref(x, weight, bias)
+
+
+@gate_up_silu.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def gate_up_silu_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up

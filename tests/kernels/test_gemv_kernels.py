@@ -1,0 +1,79 @@
+"""linear and gate_up_silu (the few-token GEMV) against their torch references: every block
+configuration (plain, wide outputs, split K for tall K and for narrow outputs), one token and the
+F.linear fallback for more, a strided token row, bias, sizes that are not multiples of the
+blocks. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
+from libkk.kernels._jit import INTERPRETED
+from libkk.kernels.gemv import gemv_config, gemv_fits
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not (ON_CUDA or INTERPRETED),
+    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
+)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+# (out, in): a plain grid with a partial row block, a short K, a split tall K, a split narrow
+# output, and on CUDA a wide output (2,049 programs: 12 s each in the interpreter).
+SHAPES = [(37, 200), (24, 1100), (8, 8200), (40, 4096)] + ([(16388, 64)] if ON_CUDA else [])
+
+
+def _inputs(rows, n, k, dtype, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, k + 16, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, 8 : 8 + k]  # rows strided, as a slice of a wider activation is
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    return x, weight, b
+
+
+def _close(got, want, dtype, k):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # fp32 sums in another order; the result rounds to the dtype once
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_the_shapes_cover_every_block_configuration():
+    configs = {gemv_config(n, k) for n, k in SHAPES}
+    assert {c.splits > 1 for c in configs} == {True, False}
+    assert len(configs) == len(SHAPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_the_reference(dtype, n, k, bias):
+    x, weight, b = _inputs(1, n, k, dtype, n + k, bias)
+    assert gemv_fits(x, weight)
+    _close(linear(x, weight, b), linear_ref(x, weight, b), dtype, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,bias", [(1, False), (1, True), (3, False)])
+def test_gate_up_silu_equals_the_reference(dtype, rows, bias):
+    n, k = 2 * 45, 300
+    x, weight, b = _inputs(rows, n, k, dtype, rows, bias)
+    got = gate_up_silu(x, weight, b)
+    _close(got, gate_up_silu_ref(x, weight, b), dtype, k)
+    assert got.shape == (rows, n // 2)
+
+
+def test_more_tokens_than_the_gemv_takes_are_exact_f_linear():
+    x, weight, b = _inputs(2, 20, 64, torch.float32, 5, bias=True)
+    assert not gemv_fits(x, weight)
+    assert torch.equal(linear(x, weight, b), linear_ref(x, weight, b))
+
+
+def test_mixed_dtypes_and_no_tokens_take_f_linear():
+    x, weight, _ = _inputs(1, 20, 64, torch.float32, 6, bias=False)
+    assert not gemv_fits(x.half(), weight)
+    assert linear(x[:0], weight).shape == (0, 20)
+    torch.testing.assert_close(linear(x.half(), weight.half()).float(), x @ weight.t(),
+                               rtol=2e-3, atol=2e-3)  # fmt: skip
