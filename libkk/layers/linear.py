@@ -68,7 +68,7 @@ _SMALL_ROWS = 256
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), as F.linear computes it, but faster for the few rows of a decode step.
 
-    CUDA: the `libkk::linear` op (a Triton GEMV for a few tokens, cuBLAS above).
+    CUDA: the `libkk::linear` op (a Triton GEMV for one token, cuBLAS for more).
     NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
     a few; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
     fp32 shapes on a 2-core machine, about even at 256-512 and 2x slower at 1.5K (prefill), so
