@@ -10,6 +10,7 @@ from __future__ import annotations
 import libkk.kernels.attention as pa
 import pytest
 import torch
+from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import (
     FP8_DTYPE,
     paged_attention,
@@ -17,18 +18,12 @@ from libkk.kernels import (
     store_kv,
     store_kv_ref,
 )
-from libkk.kernels._jit import INTERPRETED
 from paged_batch import PagedBatch, make_batch
 
 from libkk.layers.attention import TorchAttentionBackend
 from libkk.layers.triton_attention import TritonAttentionBackend
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}

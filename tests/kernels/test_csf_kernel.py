@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from libkk.kernels._jit import INTERPRETED
+from kernel_env import DEVICE, RUNS_KERNELS
 from libkk.kernels.csf import CsfKernelError, csf_expand, csf_expand_ref, max_records_per_slab
 
 from libkk.quant.csf import decode_csf, encode_csf
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 
 
 def _cases(seed: int) -> dict[str, tuple[torch.Tensor, str]]:

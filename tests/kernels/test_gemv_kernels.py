@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
-from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.gemv import gemv_config, gemv_fits
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # (out, in): a plain grid with a partial row block, a short K, a split tall K, a split narrow

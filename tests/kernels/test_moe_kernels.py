@@ -11,6 +11,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from kernel_env import DEVICE, RUNS_KERNELS
 from libkk.kernels import moe as M
 from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.moe import dequant
@@ -22,12 +23,7 @@ from libkk.quant.formats import (
     quantize_nvfp4,
 )
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 SMALL = M.MoeTileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import triton.language as tl
+from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import moe as M
-from libkk.kernels._jit import INTERPRETED, jit
+from libkk.kernels._jit import jit
 from libkk.kernels.moe import dequant, w4a8
 from torch import nn
 
@@ -20,12 +21,6 @@ import libkk.layers.quant_moe as Q
 from libkk.quant.checkpoint import quantize_tensor
 from libkk.quant.formats import e2m1_to_float, e8m0_to_float, unpack_e2m1
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-kernels = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
 TINY = M.W4A8TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 WIDE = M.W4A8TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
@@ -112,7 +107,7 @@ def test_reference_vs_float64(fmt):
     assert (unquantized - want).abs().max().item() > 10 * max(err, 1e-6 * size)
 
 
-@kernels
+@RUNS_KERNELS
 def test_fp32_to_e4m3_rounding_matches_torch():
     """The epilogue's integer RNE conversion against torch on every e4m3 value, every midpoint
     between neighbours (ties to even), random values at several magnitudes and out-of-range ones."""
@@ -138,7 +133,7 @@ def test_fp32_to_e4m3_rounding_matches_torch():
     assert torch.equal(out, want)
 
 
-@kernels
+@RUNS_KERNELS
 def test_e2m1_codes_expand_to_e4m3_values_times_2_pow_minus_6():
     @jit
     def expand(o_ptr):
@@ -156,7 +151,7 @@ def _ulp_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
 
 
-@kernels
+@RUNS_KERNELS
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
@@ -309,7 +304,7 @@ def test_fp8_scales_follow_the_checkpoint_convention():
         assert a_scale.item() == pytest.approx(factor * 0.02 / 448)
 
 
-@kernels
+@RUNS_KERNELS
 @pytest.mark.skipif(ON_CUDA, reason="CPU interpreter test; GPU: tests/gpu/test_moe_gpu.py")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_rows_run_by_step_type(fmt, monkeypatch):

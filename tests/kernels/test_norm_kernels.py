@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -14,16 +15,10 @@ from libkk.kernels import (
     rms_norm,
     rms_norm_ref,
 )
-from libkk.kernels._jit import INTERPRETED
 
 from libkk.layers.rotary import RopeConfig, RotaryEmbedding
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # One rounding step of the dtype apart at most (the reduction order differs).

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from libkk.kernels._jit import INTERPRETED
+from kernel_env import DEVICE, RUNS_KERNELS
 from libkk.kernels.sampling import (
     default_block_size,
     gumbel_argmax,
@@ -21,12 +21,7 @@ from libkk.kernels.sampling import (
 
 from libkk.sample import gumbel as reference
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (ON_CUDA or INTERPRETED),
-    reason="triton was imported before TRITON_INTERPRET=1; test_interpreter_process.py runs these",
-)
+pytestmark = RUNS_KERNELS
 
 # Both halves of 64-bit seeds (negative ones included) and positions up to 2**32 - 1.
 EDGE_SEEDS = [0, 1, -1, -(2**63), 2**63 - 1, 0x1234_5678_9ABC_DEF0, -0x0F0F_0F0F_0F0F_0F0F, 42]
