@@ -148,3 +148,51 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
             # Padding a short request past the block table's reach is refused (eager instead).
             meta.seq_lens_cpu = [4 * bs] * len(lens)
             assert not graphs.can_run(meta, sum(lens))
+
+
+_START_SESSION = """
+import json, sys
+import torch
+from torch._dynamo import convert_frame
+from libkk import SamplingParams, Session
+
+traces = []
+capture = convert_frame.fullgraph_capture
+convert_frame.fullgraph_capture = lambda *a, **k: traces.append(1) or capture(*a, **k)
+with Session(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
+             torch_compile=True, progress=False) as s:
+    runner = s.engine.runner
+    out = s.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0))
+    print(json.dumps({"how": runner.compile_cache, "traces": len(traces),
+                      "precompiled": getattr(runner.forward, "precompiled", None) is not None,
+                      "tokens": out[0].token_ids}))
+"""
+
+
+def test_a_second_session_loads_the_precompiled_forward(tiny_qwen3_dir, tmp_path):
+    """The warm start's point: with the CUDA path's custom ops (norms, GEMV, attention) in the
+    graph, the artifact entry's precompiled forward loads in a fresh process and runs without a
+    Dynamo trace, giving the first process's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LIBKK_CACHE_DIR": str(tmp_path / "libkk"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+
+    def start() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _START_SESSION, str(tiny_qwen3_dir)],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "without precompile" not in done.stderr, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    built = start()
+    assert built["how"] == "built" and built["precompiled"] and built["traces"] >= 1
+    loaded = start()
+    assert loaded["how"] == "loaded" and loaded["precompiled"]
+    assert loaded["traces"] == 0
+    assert loaded["tokens"] == built["tokens"]
