@@ -49,7 +49,7 @@ def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
     if k >= 8192:  # down projections
         return GemvConfig(16, 256, 1, 4, 4)
     if n <= 2048 and k >= 4096:  # narrow output, long rows (30B-A3B o_proj)
-        return GemvConfig(32, 256, 1, 8, 8)
+        return GemvConfig(16, 256, 1, 4, 8)
     if n >= 16384:  # merged gate_up, lm_head
         return GemvConfig(8, 256, 2, 1, 4)
     return GemvConfig(4, 256 if k >= 1024 else 128, 2, 1, 4)
