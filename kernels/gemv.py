@@ -160,17 +160,18 @@ def gemv(
     k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
     target = torch.empty((splits, n), dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
+    bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
     _gemv_kernel[(-(-n // cfg.block_n), splits)](
-        x, weight, bias if has_bias else weight, target, n, k, k_per_split, weight.stride(0),
+        x, weight, bias_arg, target, n, k, k_per_split, weight.stride(0),
         HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UNROLL=cfg.unroll, SPLIT=split, num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     if split:
         block = 1024
         _sum_splits_kernel[(-(-n // block),)](
-            target, bias if has_bias else weight, out, n,
+            target, bias_arg, out, n,
             HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out

@@ -1,4 +1,4 @@
-"""linear and gate_up_silu (the few-token GEMV) against their torch references: every block
+"""linear and gate_up_silu (the one-token GEMV) against their torch references: every block
 configuration (plain, wide outputs, split K for tall K and for narrow outputs), one token and the
 F.linear fallback for more, a strided token row, bias, sizes that are not multiples of the
 blocks. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
@@ -28,7 +28,7 @@ def _inputs(rows, n, k, dtype, seed, bias):
     return x, weight, b
 
 
-def _close(got, want, dtype, k):
+def _close(got, want, dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     # fp32 sums in another order; the result rounds to the dtype once
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -47,7 +47,7 @@ def test_the_shapes_cover_every_block_configuration():
 def test_linear_equals_the_reference(dtype, n, k, bias):
     x, weight, b = _inputs(1, n, k, dtype, n + k, bias)
     assert gemv_fits(x, weight)
-    _close(linear(x, weight, b), linear_ref(x, weight, b), dtype, k)
+    _close(linear(x, weight, b), linear_ref(x, weight, b), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +56,7 @@ def test_gate_up_silu_equals_the_reference(dtype, rows, bias):
     n, k = 2 * 45, 300
     x, weight, b = _inputs(rows, n, k, dtype, rows, bias)
     got = gate_up_silu(x, weight, b)
-    _close(got, gate_up_silu_ref(x, weight, b), dtype, k)
+    _close(got, gate_up_silu_ref(x, weight, b), dtype)
     assert got.shape == (rows, n // 2)
 
 
