@@ -45,7 +45,7 @@ def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
     plain grid would give too few programs (tall K, or narrow outputs). The fused gate/up
     kernel already has two tiles in flight per step: it does not unroll."""
     if silu_mul:
-        return GemvConfig(8, 256, 1, 1, 4)
+        return GemvConfig(16, 256, 1, 1, 4)
     if k >= 8192:  # down projections
         return GemvConfig(16, 256, 1, 4, 4)
     if n <= 2048 and k >= 4096:  # narrow output, long rows (30B-A3B o_proj)
@@ -86,14 +86,17 @@ def _gemv_kernel(
         for u in tl.static_range(UNROLL):
             ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
             k_mask = ks < K
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            # The weight tiles are issued before x's load: with x first the kernel measured
+            # 10-17% slower on the H200.
             w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptr + n[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if SILU_MUL:
                 w_up = tl.load(
                     w_ptr + (n[:, None] + N) * stride_w + ks[None, :], mask=w_mask, other=0.0
                 )
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if SILU_MUL:
                 acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
     if SPLIT:
         tl.store(out_ptr + tl.program_id(1) * N + n, acc, mask=n_mask)
