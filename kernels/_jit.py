@@ -5,6 +5,13 @@ the CPU) when the function is decorated, and its own library (`tl.sum`, `tl.zero
 decorated when `triton.language` was first imported. `jit` follows that first choice, so our
 kernels and Triton's helpers never mix modes even if the variable changed in between. On CPU the
 ops therefore run only when the variable was set before anything imported triton.
+
+Programmatic dependent launch (Hopper and later): a kernel launched with `pdl_args` may start
+while the kernel before it on the stream is still finishing, so its programs are resident when
+their inputs land instead of being launched then. Such a kernel must begin with
+`wait_for_previous(PDL)`, before touching global memory: the wait returns once the previous
+kernel has completed and its writes are visible. A step of one-token decode is a chain of a few
+hundred short kernels, each of which would otherwise pay its launch after its predecessor ends.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 
 import torch
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.jit import JITFunction
 
 INTERPRETED: bool = not isinstance(tl.zeros, JITFunction)
@@ -51,3 +59,27 @@ def device_parallelism(device: torch.device) -> int:
         return 16
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _num_sms(index)
+
+
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch arguments of a kernel that takes a `PDL: tl.constexpr` (see the module's note)."""
+    if device.type != "cuda" or INTERPRETED:
+        return {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _major(index) < 9:
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel's writes are visible, and let the next kernel's
+    programs launch (they wait in turn). The first statement of a kernel launched with pdl_args."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

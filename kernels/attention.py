@@ -24,7 +24,7 @@ import math
 import torch
 import triton.language as tl
 
-from ._jit import check_device, device_parallelism, jit, next_pow2
+from ._jit import check_device, device_parallelism, jit, next_pow2, pdl_args, wait_for_previous
 from .kv_cache import FP8_DTYPE
 
 _LOG2E = math.log2(math.e)
@@ -151,7 +151,9 @@ def _varlen_kernel(
     NEG_BIG: tl.constexpr,
     LOG2E: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Request i's q blocks are numbered from query_start[i] // BLOCK_Q + i upward; those
@@ -231,7 +233,9 @@ def _decode_kernel(
     NEG_BIG: tl.constexpr,
     LOG2E: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,7 +299,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.program_id(2)
@@ -399,6 +405,7 @@ def _paged_attention_op(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEG_BIG=_NEG_BIG,
         LOG2E=_LOG2E,
+        **pdl_args(q.device),
     )
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0))
     rows = next_pow2(max(16, max_query_len * group))
@@ -426,7 +433,7 @@ def _paged_attention_op(
                 out, *parts, seq_lens, query_start_loc, v_scale, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
                 BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                IS_FP8=common["IS_FP8"], num_warps=4,
+                IS_FP8=common["IS_FP8"], num_warps=4, **pdl_args(q.device),
             )  # fmt: skip
         return
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from ._jit import check_device, jit
+from ._jit import check_device, jit, pdl_args, wait_for_previous
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -71,7 +71,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -122,7 +124,9 @@ def _sum_splits_kernel(
     HAS_BIAS: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < N
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -164,18 +168,19 @@ def gemv(
     target = torch.empty((splits, n), dtype=torch.float32, device=x.device) if split else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
+    pdl = pdl_args(x.device)
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
     _gemv_kernel[(-(-n // cfg.block_n), splits)](
         x, weight, bias_arg, target, n, k, k_per_split, weight.stride(0),
         HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        UNROLL=cfg.unroll, SPLIT=split, num_warps=cfg.num_warps, num_stages=1,
+        UNROLL=cfg.unroll, SPLIT=split, num_warps=cfg.num_warps, num_stages=1, **pdl,
     )  # fmt: skip
     if split:
         block = 1024
         _sum_splits_kernel[(-(-n // block),)](
             target, bias_arg, out, n,
-            HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block, num_warps=4,
+            HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block, num_warps=4, **pdl,
         )  # fmt: skip
     return out
 

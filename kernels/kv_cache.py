@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2
+from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -37,7 +37,9 @@ def _store_kv_kernel(
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < PAGE:  # null block or negative: a padded row
@@ -114,6 +116,7 @@ def store_kv(
         IS_FP8=kv_cache.dtype == FP8_DTYPE,
         FP8_LIMIT=FP8_MAX,
         num_warps=4,
+        **pdl_args(kv_cache.device),
     )
 
 

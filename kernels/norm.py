@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2
+from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
 
 
 @jit
@@ -34,7 +34,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -75,7 +77,7 @@ def rms_norm(
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows, weight, out, out, rows.stride(0), 0, hidden, eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block),
+            HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block), **pdl_args(x.device),
         )  # fmt: skip
     return out
 
@@ -102,7 +104,7 @@ def add_rms_norm(
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0), hidden, eps,
-            HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block),
+            HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block), **pdl_args(x.device),
         )  # fmt: skip
     return out, summed
 
@@ -150,7 +152,9 @@ def _qk_norm_rope_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2
@@ -208,7 +212,7 @@ def qk_norm_rope(
             q, k, q_weight, k_weight, cos_sin_cache, positions, q_out, k_out,
             q.stride(0), k.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HALF_PAD=next_pow2(head_dim // 2), num_warps=1,
+            HALF_PAD=next_pow2(head_dim // 2), num_warps=1, **pdl_args(q.device),
         )  # fmt: skip
     return q_out, k_out
 

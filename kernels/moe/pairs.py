@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._jit import check_device, jit
+from .._jit import check_device, jit, pdl_args, wait_for_previous
 from .common import (
     GROUP,
     MoeTileConfig,
@@ -109,7 +109,9 @@ def _gate_up_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     x_row = x_ptr + (pair // TOP_K) * stride_xt
@@ -153,7 +155,9 @@ def _down_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
     DT: tl.constexpr = a_ptr.dtype.element_ty
     w_base = w_ptr + expert * stride_we
@@ -204,7 +208,8 @@ def _fused_moe_w4a16_pairs(
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     common = dict(GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps))  # fmt: skip
+                  USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps),
+                  **pdl_args(x.device))  # fmt: skip
     _gate_up_gemv_kernel[(num_tokens * top_k, -(-inter // cfg.block_n))](
         x, w13, w13_scale, w13_global, ids, a,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._jit import check_device, jit, next_pow2
+from .._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
 from .common import SCORING, _err
 
 # --------------------------------------------------------------------------------------------------
@@ -25,7 +25,9 @@ def _routing_kernel(
     K_PAD: tl.constexpr,
     SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     emask = e < NUM_EXPERTS
@@ -91,6 +93,7 @@ def moe_topk_routing(
         SIGMOID=scoring == "sigmoid",
         RENORM=renormalize,
         num_warps=4 if num_experts > 256 else 1,
+        **pdl_args(dev),
     )
     return weights, ids
 
