@@ -15,6 +15,8 @@ from .norm import (
     add_rms_norm_ref,
     qk_norm_rope,
     qk_norm_rope_ref,
+    qk_norm_rope_store_kv,
+    qk_norm_rope_store_kv_ref,
     rms_norm,
     rms_norm_ref,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "paged_attention_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "qk_norm_rope_store_kv",
+    "qk_norm_rope_store_kv_ref",
     "rms_norm",
     "rms_norm_ref",
     "store_kv",

@@ -61,7 +61,7 @@ def _store_kv_kernel(
     tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(
+def check_store_args(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
@@ -87,7 +87,7 @@ def store_kv(
     v_scale: torch.Tensor,  # [1] fp32
 ) -> None:
     """Writes key/value rows into `kv_cache` at `slot_mapping`, skipping padded rows."""
-    _check(key, value, kv_cache, slot_mapping)
+    check_store_args(key, value, kv_cache, slot_mapping)
     check_device(kv_cache)
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -134,7 +134,7 @@ def store_kv_ref(
     v_scale: torch.Tensor,  # [1] fp32
 ) -> None:
     """Torch reference of `store_kv`."""
-    _check(key, value, kv_cache, slot_mapping)
+    check_store_args(key, value, kv_cache, slot_mapping)
     _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
     keep = slot_mapping >= page
     slots = slot_mapping[keep].long()

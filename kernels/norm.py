@@ -19,6 +19,7 @@ import torch
 import triton.language as tl
 
 from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
+from .kv_cache import FP8_DTYPE, FP8_MAX, check_store_args, store_kv_ref
 
 
 @jit
@@ -136,22 +137,42 @@ def add_rms_norm_ref(
 
 
 @jit
+def _to_cache(x, scale_ptr, cache_ty: tl.constexpr, IS_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """A K or V value as the cache stores it, exactly as kv_cache.store_kv converts it."""
+    if IS_FP8:
+        x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+    return x.to(cache_ty)
+
+
+@jit
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,  # STORE only
     q_weight_ptr,
     k_weight_ptr,
     cos_sin_ptr,
     positions_ptr,
     q_out_ptr,
-    k_out_ptr,
+    k_out_ptr,  # without STORE
+    cache_ptr,  # STORE: [2, num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM]
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_q,
     stride_k,
+    stride_v,
+    cache_kv_stride,
     eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    STORE: tl.constexpr,  # k and v go to the cache (programs past the k heads copy v)
+    PAGE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -160,31 +181,64 @@ def _qk_norm_rope_kernel(
     half = HEAD_DIM // 2
     d = tl.arange(0, HALF_PAD)
     mask = d < half
-    if head < NUM_Q_HEADS:
-        src = q_ptr + token * stride_q + head * HEAD_DIM
-        weight_ptr = q_weight_ptr
-        dst = q_out_ptr + token * (NUM_Q_HEADS * HEAD_DIM) + head * HEAD_DIM
-    else:
-        src = k_ptr + token * stride_k + (head - NUM_Q_HEADS) * HEAD_DIM
-        weight_ptr = k_weight_ptr
-        dst = k_out_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-    x1 = tl.load(src + d, mask=mask, other=0.0)
-    x2 = tl.load(src + half + d, mask=mask, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-    w1 = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
-    # the norm's output, rounded as the separate norm op rounds it
-    y1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    y2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d, mask=mask, other=0.0)
-    cos = cos.to(x1.dtype).to(tl.float32)
-    sin = sin.to(x1.dtype).to(tl.float32)
     out_ty = q_out_ptr.dtype.element_ty
-    tl.store(dst + d, (y1 * cos - y2 * sin).to(out_ty), mask=mask)
-    tl.store(dst + half + d, (y2 * cos + y1 * sin).to(out_ty), mask=mask)
+    cache_mask = mask
+    cache_row = cache_ptr
+    if STORE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        cache_mask = mask & (slot >= PAGE)  # the null block (or negative): a padded row
+        cache_row = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        if head < NUM_Q_HEADS:
+            src = q_ptr + token * stride_q + head * HEAD_DIM
+            weight_ptr = q_weight_ptr
+            dst = q_out_ptr + token * (NUM_Q_HEADS * HEAD_DIM) + head * HEAD_DIM
+        else:
+            src = k_ptr + token * stride_k + (head - NUM_Q_HEADS) * HEAD_DIM
+            weight_ptr = k_weight_ptr
+            dst = k_out_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+        x1 = tl.load(src + d, mask=mask, other=0.0)
+        x2 = tl.load(src + half + d, mask=mask, other=0.0)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
+        # the norm's output, rounded as the separate norm op rounds it
+        y1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        y2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d, mask=mask, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d, mask=mask, other=0.0)
+        cos = cos.to(x1.dtype).to(tl.float32)
+        sin = sin.to(x1.dtype).to(tl.float32)
+        r1 = (y1 * cos - y2 * sin).to(out_ty)
+        r2 = (y2 * cos + y1 * sin).to(out_ty)
+        out_mask = mask
+        if STORE:  # k heads write the cache instead of k_out
+            out_mask = mask & (head < NUM_Q_HEADS)
+            key_mask = cache_mask & (head >= NUM_Q_HEADS)
+            key = cache_row + (head - NUM_Q_HEADS) * HEAD_DIM
+            ty = cache_ptr.dtype.element_ty
+            tl.store(key + d, _to_cache(r1, k_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=key_mask)
+            tl.store(
+                key + half + d, _to_cache(r2, k_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=key_mask
+            )
+        tl.store(dst + d, r1, mask=out_mask)
+        tl.store(dst + half + d, r2, mask=out_mask)
+    else:
+        if STORE:  # the programs past the k heads copy this step's v rows into the cache
+            kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+            src = v_ptr + token * stride_v + kv_head * HEAD_DIM
+            x1 = tl.load(src + d, mask=cache_mask, other=0.0)
+            x2 = tl.load(src + half + d, mask=cache_mask, other=0.0)
+            ty = cache_ptr.dtype.element_ty
+            value = cache_row + cache_kv_stride + kv_head * HEAD_DIM
+            tl.store(value + d, _to_cache(x1, v_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=cache_mask)
+            tl.store(
+                value + half + d,
+                _to_cache(x2, v_scale_ptr, ty, IS_FP8, FP8_LIMIT),
+                mask=cache_mask,
+            )
 
 
 @torch.library.custom_op("libkk::qk_norm_rope", mutates_args=())
@@ -200,21 +254,42 @@ def qk_norm_rope(
     """Each head of q and k RMS-normalized (over head_dim, by q_weight / k_weight), then rotated
     by RoPE at its token's position (the halves of a head are the pairs, as in Llama/Qwen)."""
     check_device(q)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_qk_norm_rope(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, q_out, k_out)
+    return q_out, k_out
+
+
+def _launch_qk_norm_rope(
+    q, k, q_weight, k_weight, cos_sin_cache, positions, eps, q_out, k_out=None,
+    v=None, kv_cache=None, slot_mapping=None, k_scale=None, v_scale=None,
+) -> None:  # fmt: skip
+    """Into q_out / k_out, or (kv_cache given) q_out and the cache."""
     head_dim = q_weight.shape[0]
     num_tokens = q.shape[0]
     num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if not num_tokens:
+        return
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
-    q_out = torch.empty((num_tokens, q.shape[1]), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((num_tokens, k.shape[1]), dtype=k.dtype, device=k.device)
-    if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens, num_heads + num_kv_heads)](
-            q, k, q_weight, k_weight, cos_sin_cache, positions, q_out, k_out,
-            q.stride(0), k.stride(0), eps,
-            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HALF_PAD=next_pow2(head_dim // 2), num_warps=1, **pdl_args(q.device),
-        )  # fmt: skip
-    return q_out, k_out
+    store = kv_cache is not None
+    if store:
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        cache_args = (kv_cache, slot_mapping, k_scale, v_scale, v.stride(0), kv_cache.stride(0))
+        page, programs = kv_cache.shape[2], num_heads + 2 * num_kv_heads
+    else:  # unread pointers and strides
+        v, cache_args = k, (q_out, positions, q_out, q_out, 0, 0)
+        page, programs = 1, num_heads + num_kv_heads
+    cache, slots, k_sc, v_sc, stride_v, kv_stride = cache_args
+    _qk_norm_rope_kernel[(num_tokens, programs)](
+        q, k, v, q_weight, k_weight, cos_sin_cache, positions, q_out,
+        q_out if k_out is None else k_out, cache, slots, k_sc, v_sc,
+        q.stride(0), k.stride(0), stride_v, kv_stride, eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HALF_PAD=next_pow2(head_dim // 2), STORE=store, PAGE=page,
+        IS_FP8=store and kv_cache.dtype == FP8_DTYPE, FP8_LIMIT=FP8_MAX,
+        num_warps=1, **pdl_args(q.device),
+    )  # fmt: skip
 
 
 @qk_norm_rope.register_fake
@@ -249,3 +324,57 @@ def qk_norm_rope_ref(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(1)
 
     return one(q, q_weight), one(k, k_weight)
+
+
+@torch.library.custom_op("libkk::qk_norm_rope_store_kv", mutates_args=("kv_cache",))
+def qk_norm_rope_store_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+    q_weight: torch.Tensor,  # [head_dim]
+    k_weight: torch.Tensor,  # [head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos | sin
+    positions: torch.Tensor,  # [num_tokens] int64
+    eps: float,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 works too)
+    k_scale: torch.Tensor,  # [1] fp32; used only by FP8 caches
+    v_scale: torch.Tensor,  # [1] fp32
+) -> torch.Tensor:  # q normalized and rotated
+    """qk_norm_rope, then store_kv of the rotated k and of v, in one launch: k never leaves the
+    kernel. Same values, rounding and skipped padded rows as the two ops."""
+    check_device(q)
+    shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
+    check_store_args(k.view(shape), v.view(shape), kv_cache, slot_mapping)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_qk_norm_rope(
+        q, k, q_weight, k_weight, cos_sin_cache, positions, eps, q_out,
+        v=v, kv_cache=kv_cache, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    return q_out
+
+
+@qk_norm_rope_store_kv.register_fake
+def _(q, k, v, q_weight, k_weight, cos_sin_cache, positions, eps, kv_cache, slot_mapping,
+      k_scale, v_scale) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+def qk_norm_rope_store_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
+    q, k = qk_norm_rope_ref(q, k, q_weight, k_weight, cos_sin_cache, positions, eps)
+    shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
+    store_kv_ref(k.view(shape), v.view(shape), kv_cache, slot_mapping, k_scale, v_scale)
+    return q

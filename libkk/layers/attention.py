@@ -14,11 +14,13 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
 from libkk.layers.forward_context import AttentionMetadata, get_forward_context
 from libkk.layers.registry import LayerRegistry
 
@@ -44,6 +46,56 @@ class AttentionBackend(abc.ABC):
         v_scale: torch.Tensor | None = None,  # [1] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    def forward_qk_norm_rope(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim], before the norm and rotation
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim], likewise
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        prologue: QKNormRope,
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """`forward` after the prologue's norms and rotation of q and k. A backend may fuse
+        them with the KV store; this one applies them first."""
+        q, k = prologue.apply(q, k, positions)
+        n, d = q.shape[0], prologue.head_dim
+        return self.forward(
+            q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d), kv_cache, metadata, scale,
+            k_scale, v_scale,
+        )  # fmt: skip
+
+
+class QKNormRope(NamedTuple):
+    """A model's step between its q/k projection and attention that the attention layer runs
+    (Qwen3): each head of q and k RMS-normalized over head_dim, then rotated by RoPE. Inside the
+    layer a backend can write the rotated keys straight into the KV cache."""
+
+    q_norm: nn.Module  # RMSNorm(head_dim)
+    k_norm: nn.Module  # RMSNorm(head_dim)
+    rotary: nn.Module  # RotaryEmbedding: cos_sin_cache
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_norm.weight.shape[0]
+
+    def args(self, positions: torch.Tensor) -> tuple:
+        """The norm/rope ops' arguments after q and k."""
+        return (
+            self.q_norm.weight, self.k_norm.weight, self.rotary.cos_sin_cache, positions,
+            self.q_norm.eps,
+        )  # fmt: skip
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) normalized and rotated: one kernel on CUDA, the torch reference elsewhere."""
+        norm_rope = qk_norm_rope if q.is_cuda else qk_norm_rope_ref
+        return norm_rope(q, k, *self.args(positions))
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -206,7 +258,9 @@ class Attention(nn.Module):
 
     `kv_cache` is bound by the model runner after the cache is allocated. `k_scale` / `v_scale`
     are the layer's FP8 cache scales: their storage never changes (CUDA graphs read them by
-    address), so every update fills them in place.
+    address), so every update fills them in place. A model whose q and k are normalized and
+    rotated right before attention (Qwen3) sets `qk_norm_rope` and passes the step's positions:
+    the layer applies them, so the backend can fuse them with the KV store.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
@@ -224,6 +278,7 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibration_pending = False
+        self.qk_norm_rope: QKNormRope | None = None  # not submodules: the model owns them
         self.layer_key = _LAYERS.register(self)
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
@@ -251,25 +306,44 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        positions: torch.Tensor | None = None,  # [num_tokens]; with qk_norm_rope only
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         # NOTE: under torch.compile attention is one opaque op (`libkk::attention`): the model
         # traces as a single graph, Inductor fuses everything between attention calls, and the
         # op reads the step's metadata from the forward context at run time.
+        if (positions is None) != (self.qk_norm_rope is None):
+            raise ValueError("positions are given exactly when the layer has qk_norm_rope")
         if torch.compiler.is_compiling():
-            return torch.ops.libkk.attention(q, k, v, self.layer_key)
-        return self.attend(q, k, v)
+            return torch.ops.libkk.attention(q, k, v, positions, self.layer_key)
+        return self.attend(q, k, v, positions)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
         metadata = get_forward_context().attn_metadata
+        backend = attention_backend(q.device)
         n = q.shape[0]
+        if positions is not None:
+            if self.calibration_pending:  # calibration reads the rotated keys: apply it apart
+                q, k = self.qk_norm_rope.apply(q, k, positions)
+            else:
+                out = backend.forward_qk_norm_rope(
+                    q, k, v, self.qk_norm_rope, positions, self.kv_cache, metadata, self.scale,
+                    self.k_scale, self.v_scale,
+                )  # fmt: skip
+                return out.reshape(n, self.num_heads * self.head_dim)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.calibration_pending:
             self._calibrate(k, v, metadata)
-        out = attention_backend(q.device).forward(
+        out = backend.forward(
             q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale
         )
         return out.reshape(n, self.num_heads * self.head_dim)
@@ -328,11 +402,21 @@ _LAYERS: LayerRegistry[Attention] = LayerRegistry("attention layer")
 # layer, so the compiled graph keeps every layer's call in order.
 @torch.library.custom_op("libkk::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None,
+    layer_key: int,
 ) -> torch.Tensor:
-    return _LAYERS.get(layer_key).attend(q, k, v)
+    return _LAYERS.get(layer_key).attend(q, k, v, positions)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None,
+    layer_key: int,
+) -> torch.Tensor:
     return torch.empty_like(q)

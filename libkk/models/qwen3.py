@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
+from libkk.layers.attention import QKNormRope
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RotaryEmbedding
 from libkk.models.arch_config import ArchConfig
@@ -18,6 +18,8 @@ class Qwen3Attention(LlamaAttention):
         # Normalizes each head's vector (over head_dim), shared across heads.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        # The norms and the rotation run inside attention (fused with the KV store on CUDA).
+        self.attn.qk_norm_rope = QKNormRope(self.q_norm, self.k_norm, rotary_emb)
 
     def forward(
         self,
@@ -25,14 +27,7 @@ class Qwen3Attention(LlamaAttention):
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
-        # CUDA: one kernel for both norms and the rotation; CPU: its torch reference, which is
-        # q_norm / k_norm then rotary_emb.
-        norm_rope = qk_norm_rope if q.is_cuda else qk_norm_rope_ref
-        q, k = norm_rope(
-            q, k, self.q_norm.weight, self.k_norm.weight,
-            self.rotary_emb.cos_sin_cache, positions, self.q_norm.eps,
-        )  # fmt: skip
-        out = self.attn(q, k, v)  # [T, H * D]
+        out = self.attn(q, k, v, positions)  # q_norm / k_norm, then RoPE, then attention
         return self.o_proj(out)
 
 

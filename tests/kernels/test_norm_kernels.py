@@ -1,6 +1,7 @@
-"""rms_norm, add_rms_norm and qk_norm_rope against their torch references: fresh random inputs,
-strided rows (slices of a fused projection's output), sizes that are not powers of two, zero,
-one and several tokens. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
+"""rms_norm, add_rms_norm, qk_norm_rope and qk_norm_rope_store_kv against their torch references:
+fresh random inputs, strided rows (slices of a fused projection's output), sizes that are not
+powers of two, zero, one and several tokens, NaN-poisoned caches. On CPU in Triton's interpreter
+(fp32/fp16); on CUDA bf16 and FP8 caches join."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import (
+    FP8_DTYPE,
     add_rms_norm,
     add_rms_norm_ref,
     qk_norm_rope,
     qk_norm_rope_ref,
+    qk_norm_rope_store_kv,
+    qk_norm_rope_store_kv_ref,
     rms_norm,
     rms_norm_ref,
+    store_kv,
 )
 
 from libkk.layers.rotary import RopeConfig, RotaryEmbedding
@@ -103,3 +108,50 @@ def test_qk_norm_rope_reference_is_the_model_path():
         q, k, q_norm.weight, k_norm.weight, rope.cos_sin_cache, positions, q_norm.eps
     )
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(d, d) for d in DTYPES] + ([(torch.bfloat16, FP8_DTYPE)] if ON_CUDA else []),
+)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 3, 24), (32, 8, 128)])
+@pytest.mark.parametrize("num_tokens", [0, 7])
+def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num_tokens):
+    """The fused op returns qk_norm_rope's q and leaves the cache exactly as store_kv of
+    qk_norm_rope's k (and v) does; padded rows (the null block, -1) write nothing."""
+    num_heads, num_kv_heads, head_dim = heads
+    page, num_blocks = 4, 6
+    g = torch.Generator().manual_seed(num_heads + num_tokens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    qkv = (qkv * 3).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    real = torch.randperm((num_blocks - 1) * page, generator=g)[: max(num_tokens - 2, 0)] + page
+    slots = torch.cat([real, torch.tensor([2, -1])])[:num_tokens].to(DEVICE)
+    shape = (2, num_blocks, page, num_kv_heads, head_dim)
+    poisoned = torch.full(shape, float("nan")).to(cache_dtype).to(DEVICE)
+    k_scale = torch.tensor([0.05], device=DEVICE)  # FP8 only: large keys saturate
+    v_scale = torch.tensor([2.0], device=DEVICE)
+    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+
+    want = poisoned.clone()
+    want_q, want_k = qk_norm_rope(q, k, *args)
+    rows = (num_tokens, num_kv_heads, head_dim)
+    store_kv(want_k.view(rows), v.view(rows), want, slots, k_scale, v_scale)
+    got = poisoned.clone()
+    got_q = qk_norm_rope_store_kv(q, k, v, *args, got, slots, k_scale, v_scale)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert got[:, 0].float().isnan().all()  # the null block: padded rows wrote nothing
+
+    ref = poisoned.clone()
+    ref_q = qk_norm_rope_store_kv_ref(q, k, v, *args, ref, slots, k_scale, v_scale)
+    _close(got_q, ref_q, dtype)
+    if cache_dtype != FP8_DTYPE:  # FP8's one-code steps are far coarser than the dtype's
+        written = ~ref.isnan()
+        assert torch.equal(written, ~got.isnan())
+        _close(got[written], ref[written], dtype)
