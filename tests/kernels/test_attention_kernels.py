@@ -211,6 +211,44 @@ def test_triton_backend_matches_torch_backend_over_steps():
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("batch", ["prefill", "decode", "mixed"])
+def test_triton_backend_fuses_qk_norm_rope_like_the_torch_backend(batch):
+    """Qwen3's prologue: the Triton backend's fused norm/rope/store gives the torch backend's
+    outputs and cache; its padded rows write nothing."""
+    from libkk.layers.attention import QKNormRope
+    from libkk.layers.norm import RMSNorm
+    from libkk.layers.rotary import RopeConfig, RotaryEmbedding
+
+    # (The torch backend's batched decode takes no padded rows.)
+    b = _batch(batch, "gqa2", torch.float32, seed=11, num_pad_rows=0 if batch == "decode" else 2)
+    b.slot_mapping[b.num_real_tokens :] = 1  # the null block (the torch backend may write there)
+    n, head_dim = b.q.shape[0], b.q.shape[2]
+    g = torch.Generator().manual_seed(12)
+    with torch.device(DEVICE):
+        q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+        rope = RotaryEmbedding(head_dim, 128, RopeConfig(theta=10000.0))
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + torch.randn(head_dim, generator=g) / 4)
+        k_norm.weight.copy_(1 + torch.randn(head_dim, generator=g) / 4)
+    prologue = QKNormRope(q_norm, k_norm, rope)
+    positions = torch.randint(0, 128, (n,), generator=g).to(DEVICE)
+    q, k, v = (x.reshape(n, -1) for x in (b.q, b.k, b.v))
+    meta = b.metadata()
+    cache_torch = b.kv_cache.clone()
+    want = TorchAttentionBackend().forward_qk_norm_rope(
+        q, k, v, prologue, positions, cache_torch, meta, b.scale
+    )
+    got = TritonAttentionBackend().forward_qk_norm_rope(
+        q, k, v, prologue, positions, b.kv_cache, meta, b.scale
+    )
+    real = b.num_real_tokens
+    torch.testing.assert_close(got[:real], want[:real], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        b.kv_cache[:, 1:], cache_torch[:, 1:], atol=2e-5, rtol=2e-5, equal_nan=True
+    )
+    assert b.kv_cache[:, 0].isnan().all()  # the kernel skipped the padded rows
+
+
 def test_triton_backend_reads_the_scales_it_is_given():
     """Per-layer scale tensors reach the ops; without them the backend uses 1.0."""
     b = _batch("mixed", "gqa2", torch.float32, seed=8, cache_dtype=FP8_DTYPE, k_scale=0.05,
