@@ -12,6 +12,8 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
 - ngram: the n-gram proposer on a repetitive workload (a random 32-token phrase repeated). With
   random weights the target does not continue the pattern, so the acceptance it reaches is
   reported as measured.
+- `--adaptive` adds each speculative case again with adaptive verification (the drafts each step
+  verifies chosen from the online acceptance estimate and the start-up cost tables).
 
 Decode tok/s = requests * tokens / the slowest request's decode time (first token to last); each
 case first runs its whole workload once untimed, then --repeats timed runs of it (median, spread).
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
     ap.add_argument("--profile", action="store_true", help="profile the speculative cases")
     ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
+    ap.add_argument("--adaptive", action="store_true", help="also each case adaptively verified")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -164,6 +167,10 @@ def main() -> None:
             cases.append((f"synthetic {length}", ids, spec))
         if not args.no_ngram:
             cases.append(("ngram", repetitive, dict(method="ngram", num_speculative_tokens=K)))
+        if args.adaptive:
+            cases += [(f"{name}, adaptive", workload, {**spec, "adaptive_verification": True})
+                      for name, workload, spec in cases if "method" in spec]  # fmt: skip
+        if not args.no_ngram:
             cases.append(("none (repetitive)", repetitive, {}))
         base = None
         for name, workload, spec in cases:
@@ -192,13 +199,13 @@ def main() -> None:
     print(
         f"\n{args.shape} decode with speculation, K={K}, prompt {args.prompt}, {args.tokens} tokens"
     )
-    print(f"{'batch':>6}  {'case':<20}{'tok/s':>10}{'spread':>18}{'speedup':>9}{'acc. len':>10}"
+    print(f"{'batch':>6}  {'case':<26}{'tok/s':>10}{'spread':>18}{'speedup':>9}{'acc. len':>10}"
           f"{'floor tok/s':>13}")  # fmt: skip
     for r in rows:
         acc = r.get("acceptance_length")
         spread = f"{r['spread'][0]:.0f}-{r['spread'][1]:.0f}"
         print(
-            f"{r['batch']:>6}  {r['case']:<20}{r['tok_s']:>10.1f}{spread:>18}"
+            f"{r['batch']:>6}  {r['case']:<26}{r['tok_s']:>10.1f}{spread:>18}"
             f"{r['speedup'] or 0:>9.2f}{acc if acc is not None else float('nan'):>10.2f}"
             f"{r.get('floor_tok_s', float('nan')):>13.0f}"
         )
