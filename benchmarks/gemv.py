@@ -34,10 +34,11 @@ SHAPES = {  # name: (out, in, fused silu)
 }
 COPIES = 4
 CALLS = 20
-SWEEP = [GemvConfig(bn, bk, u, 1, 4) for bn, bk, u in itertools.product(
-    (4, 8, 16), (256, 512), (1, 2))] + [
+# Plain grids up to 16K weights in flight per program per step, and split K from 2 to 8 ways.
+SWEEP = [GemvConfig(bn, bk, u, 1, w) for bn, bk, u, w in itertools.product(
+    (2, 4, 8, 16), (256, 512), (1, 2, 4), (2, 4)) if bn * bk * u <= 16384] + [
     GemvConfig(bn, 256, 1, sp, w) for bn, sp, w in itertools.product(
-        (16, 32), (4, 8), (4, 8))]  # fmt: skip
+        (4, 8, 16, 32), (2, 4, 8), (4, 8))]  # fmt: skip
 
 
 def graph_seconds(fn, repeats: int) -> list[float]:
@@ -88,9 +89,13 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
     floor_s = n * k * 2 / bandwidth
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     want = cublas(x, weights[0], silu).float()
-    got = gemv(x, weights[0], None, silu).float()
-    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-    assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+    def check(cfg: GemvConfig | None) -> None:
+        got = gemv(x, weights[0], None, silu, cfg).float()
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        assert err < 2e-2, f"{name} {cfg}: relative error {err:.3g}"
+
+    check(None)
     peer = statistics.median(graph_seconds(
         cycling(weights, lambda w: cublas(x, w, silu)), args.repeats))  # fmt: skip
     ours = graph_seconds(cycling(weights, lambda w: gemv(x, w, None, silu)), args.repeats)
@@ -107,6 +112,7 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
         for cfg in SWEEP:
             if silu and cfg.splits > 1:
                 continue
+            check(cfg)
             call = cycling(weights, lambda w, cfg=cfg: gemv(x, w, None, silu, cfg))
             t = statistics.median(graph_seconds(call, 5))
             if best is None or t < best[0]:
