@@ -5,6 +5,9 @@ Inductor, compiling the forward with an unbacked token count, gives every norm a
 kernel and a separate pointwise kernel (its fusion scores need size hints an unbacked size lacks),
 and Qwen3's q/k norms plus rotary four; at decode sizes each is a ~1.5 µs launch-bound kernel.
 As opaque ops these run as one kernel per norm and one per attention layer's q/k.
+`qk_norm_rope_store_kv` is the q/k kernel writing the rotated k, and v, into the paged KV cache
+(as `store_kv` would) instead of returning k: attention reads keys only from the cache, so the
+store's own launch goes.
 
 Rounding follows the torch references (Hugging Face's order) where it matters: the residual add
 rounds to the activation dtype, the normalized value rounds to it before the weight multiply, the
