@@ -140,12 +140,12 @@ def add_rms_norm_ref(
 
 
 @jit
-def _to_cache(x, scale_ptr, cache_ty: tl.constexpr, IS_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+def _to_cache(x, scale_ptr, cache_ptr, IS_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
     """A K or V value as the cache stores it, exactly as kv_cache.store_kv converts it."""
     if IS_FP8:
         x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
         x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
-    return x.to(cache_ty)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @jit
@@ -221,10 +221,13 @@ def _qk_norm_rope_kernel(
             out_mask = mask & (head < NUM_Q_HEADS)
             key_mask = cache_mask & (head >= NUM_Q_HEADS)
             key = cache_row + (head - NUM_Q_HEADS) * HEAD_DIM
-            ty = cache_ptr.dtype.element_ty
-            tl.store(key + d, _to_cache(r1, k_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=key_mask)
             tl.store(
-                key + half + d, _to_cache(r2, k_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=key_mask
+                key + d, _to_cache(r1, k_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=key_mask
+            )
+            tl.store(
+                key + half + d,
+                _to_cache(r2, k_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT),
+                mask=key_mask,
             )
         tl.store(dst + d, r1, mask=out_mask)
         tl.store(dst + half + d, r2, mask=out_mask)
@@ -234,12 +237,13 @@ def _qk_norm_rope_kernel(
             src = v_ptr + token * stride_v + kv_head * HEAD_DIM
             x1 = tl.load(src + d, mask=cache_mask, other=0.0)
             x2 = tl.load(src + half + d, mask=cache_mask, other=0.0)
-            ty = cache_ptr.dtype.element_ty
             value = cache_row + cache_kv_stride + kv_head * HEAD_DIM
-            tl.store(value + d, _to_cache(x1, v_scale_ptr, ty, IS_FP8, FP8_LIMIT), mask=cache_mask)
+            tl.store(
+                value + d, _to_cache(x1, v_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=cache_mask
+            )
             tl.store(
                 value + half + d,
-                _to_cache(x2, v_scale_ptr, ty, IS_FP8, FP8_LIMIT),
+                _to_cache(x2, v_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT),
                 mask=cache_mask,
             )
 
