@@ -9,7 +9,14 @@ pytestmark = pytest.mark.gpu
 
 
 def _generate(
-    path, prompts, mode, compile_=False, kv_cache_dtype="auto", device="cuda", **settings
+    path,
+    prompts,
+    mode,
+    compile_=False,
+    kv_cache_dtype="auto",
+    device="cuda",
+    dtype="float32",
+    **settings,
 ):
     from libkk import SamplingParams, Session
 
@@ -17,7 +24,7 @@ def _generate(
     with Session(
         str(path),
         device=device,
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=16,
         max_model_len=512,
         cudagraph_mode=mode,
@@ -41,6 +48,22 @@ def test_cuda_ops_give_the_cpu_path_tokens(tiny_qwen3_dir):
     prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (3, 50, 130)]
     cpu = _generate(tiny_qwen3_dir, prompts, "NONE", device="cpu")
     assert _generate(tiny_qwen3_dir, prompts, "NONE") == cpu
+
+
+def test_programmatic_dependent_launch_changes_no_token(tiny_qwen3_dir, monkeypatch):
+    """Kernels launched with programmatic dependent launch (Hopper) wait for their inputs: with
+    the launch attribute off, the same bf16 graph replays give the same tokens (the kernels are
+    the same, so only a missing wait could change one)."""
+    from libkk.kernels import _jit
+
+    if not _jit.pdl_args(torch.device("cuda"))["PDL"]:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (4, 60, 150, 9)]
+    with_pdl = _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", dtype="bfloat16")
+    monkeypatch.setattr(_jit, "_major", lambda index: 8)
+    assert not _jit.pdl_args(torch.device("cuda"))["PDL"]
+    assert _generate(tiny_qwen3_dir, prompts, "FULL_DECODE_ONLY", dtype="bfloat16") == with_pdl
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 13])
