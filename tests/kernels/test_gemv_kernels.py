@@ -14,9 +14,12 @@ from libkk.kernels.gemv import gemv_config, gemv_fits
 pytestmark = RUNS_KERNELS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
-# (out, in): a plain grid with a partial row block, a short K, a split tall K, a split narrow
-# output, and on CUDA a wide output (2,049 programs: 12 s each in the interpreter).
-SHAPES = [(37, 200), (24, 1100), (8, 8200), (40, 4096)] + ([(16388, 64)] if ON_CUDA else [])
+# (out, in): a plain grid with a partial row block, a short K, a router-sized output, a split tall
+# K, a split narrow output, and on CUDA a wide output (2,049 programs: 12 s each in the
+# interpreter).
+SHAPES = [(301, 1100), (37, 200), (24, 1100), (8, 8200), (40, 4096)] + (
+    [(16388, 64)] if ON_CUDA else []
+)
 
 
 def _inputs(rows, n, k, dtype, seed, bias):
