@@ -43,8 +43,8 @@ def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
     """Block sizes for an [n, k] weight, from the H200 sweep in benchmarks/gemv.py: about 32 KiB
     of weight per program, more rows per program for very wide outputs, K split when a plain
     grid would give too few programs (tall K, or narrow outputs), and wider steps for outputs
-    of a router's size (2.85 against 3.17 µs at 128 x 2048). The fused gate/up
-    kernel already has two tiles in flight per step: it does not unroll."""
+    of a router's size (2.85 against 3.17 µs at 128 x 2048). The fused gate/up kernel already
+    has two tiles in flight per step: it does not unroll."""
     if silu_mul:
         return GemvConfig(16, 256, 1, 1, 4)
     if k >= 8192:  # down projections
