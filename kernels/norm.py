@@ -149,6 +149,14 @@ def _to_cache(x, scale_ptr, cache_ptr, IS_FP8: tl.constexpr, FP8_LIMIT: tl.const
 
 
 @jit
+def _store_to_cache(dst, x1, x2, half, d, scale_ptr, cache_ptr, mask, IS_FP8: tl.constexpr,
+                    FP8_LIMIT: tl.constexpr):  # fmt: skip
+    """Both halves of a K or V head row into the cache at dst."""
+    tl.store(dst + d, _to_cache(x1, scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=mask)
+    tl.store(dst + half + d, _to_cache(x2, scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=mask)
+
+
+@jit
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -221,14 +229,8 @@ def _qk_norm_rope_kernel(
             out_mask = mask & (head < NUM_Q_HEADS)
             key_mask = cache_mask & (head >= NUM_Q_HEADS)
             key = cache_row + (head - NUM_Q_HEADS) * HEAD_DIM
-            tl.store(
-                key + d, _to_cache(r1, k_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=key_mask
-            )
-            tl.store(
-                key + half + d,
-                _to_cache(r2, k_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT),
-                mask=key_mask,
-            )
+            _store_to_cache(key, r1, r2, half, d, k_scale_ptr, cache_ptr, key_mask, IS_FP8,
+                            FP8_LIMIT)  # fmt: skip
         tl.store(dst + d, r1, mask=out_mask)
         tl.store(dst + half + d, r2, mask=out_mask)
     else:
@@ -238,14 +240,8 @@ def _qk_norm_rope_kernel(
             x1 = tl.load(src + d, mask=cache_mask, other=0.0)
             x2 = tl.load(src + half + d, mask=cache_mask, other=0.0)
             value = cache_row + cache_kv_stride + kv_head * HEAD_DIM
-            tl.store(
-                value + d, _to_cache(x1, v_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=cache_mask
-            )
-            tl.store(
-                value + half + d,
-                _to_cache(x2, v_scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT),
-                mask=cache_mask,
-            )
+            _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, cache_mask, IS_FP8,
+                            FP8_LIMIT)  # fmt: skip
 
 
 @torch.library.custom_op("libkk::qk_norm_rope", mutates_args=())
