@@ -18,6 +18,13 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 
 
 @jit
+def saturate_fp8(x):
+    """x clamped to e4m3fn's finite range, 448 (no inf in the format: an overflow would be NaN);
+    the store kernels' one copy of the limit."""
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
+
+
+@jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -36,7 +43,6 @@ def _store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
-    FP8_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -55,8 +61,8 @@ def _store_kv_kernel(
         # same bytes; the clamp saturates instead of producing NaN (e4m3fn has no inf).
         k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
         v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
-        k = tl.minimum(tl.maximum(k, -FP8_LIMIT), FP8_LIMIT)
-        v = tl.minimum(tl.maximum(v, -FP8_LIMIT), FP8_LIMIT)
+        k = saturate_fp8(k)
+        v = saturate_fp8(v)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -114,7 +120,6 @@ def store_kv(
         HEADS_PAD=next_pow2(num_kv_heads),
         DIM_PAD=next_pow2(head_dim),
         IS_FP8=kv_cache.dtype == FP8_DTYPE,
-        FP8_LIMIT=FP8_MAX,
         num_warps=4,
         **pdl_args(kv_cache.device),
     )

@@ -22,7 +22,7 @@ import torch
 import triton.language as tl
 
 from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
-from .kv_cache import FP8_DTYPE, FP8_MAX, check_store_args, store_kv_ref
+from .kv_cache import FP8_DTYPE, check_store_args, saturate_fp8, store_kv_ref
 
 
 @jit
@@ -140,20 +140,19 @@ def add_rms_norm_ref(
 
 
 @jit
-def _to_cache(x, scale_ptr, cache_ptr, IS_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+def _to_cache(x, scale_ptr, cache_ptr, IS_FP8: tl.constexpr):
     """A K or V value as the cache stores it, exactly as kv_cache.store_kv converts it."""
     if IS_FP8:
         x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
-        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+        x = saturate_fp8(x)
     return x.to(cache_ptr.dtype.element_ty)
 
 
 @jit
-def _store_to_cache(dst, x1, x2, half, d, scale_ptr, cache_ptr, mask, IS_FP8: tl.constexpr,
-                    FP8_LIMIT: tl.constexpr):  # fmt: skip
+def _store_to_cache(dst, x1, x2, half, d, scale_ptr, cache_ptr, mask, IS_FP8: tl.constexpr):
     """Both halves of a K or V head row into the cache at dst."""
-    tl.store(dst + d, _to_cache(x1, scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=mask)
-    tl.store(dst + half + d, _to_cache(x2, scale_ptr, cache_ptr, IS_FP8, FP8_LIMIT), mask=mask)
+    tl.store(dst + d, _to_cache(x1, scale_ptr, cache_ptr, IS_FP8), mask=mask)
+    tl.store(dst + half + d, _to_cache(x2, scale_ptr, cache_ptr, IS_FP8), mask=mask)
 
 
 @jit
@@ -183,7 +182,6 @@ def _qk_norm_rope_kernel(
     STORE: tl.constexpr,  # k and v go to the cache (programs past the k heads copy v)
     PAGE: tl.constexpr,
     IS_FP8: tl.constexpr,
-    FP8_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -229,8 +227,7 @@ def _qk_norm_rope_kernel(
             out_mask = mask & (head < NUM_Q_HEADS)
             key_mask = cache_mask & (head >= NUM_Q_HEADS)
             key = cache_row + (head - NUM_Q_HEADS) * HEAD_DIM
-            _store_to_cache(key, r1, r2, half, d, k_scale_ptr, cache_ptr, key_mask, IS_FP8,
-                            FP8_LIMIT)  # fmt: skip
+            _store_to_cache(key, r1, r2, half, d, k_scale_ptr, cache_ptr, key_mask, IS_FP8)
         tl.store(dst + d, r1, mask=out_mask)
         tl.store(dst + half + d, r2, mask=out_mask)
     else:
@@ -240,8 +237,7 @@ def _qk_norm_rope_kernel(
             x1 = tl.load(src + d, mask=cache_mask, other=0.0)
             x2 = tl.load(src + half + d, mask=cache_mask, other=0.0)
             value = cache_row + cache_kv_stride + kv_head * HEAD_DIM
-            _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, cache_mask, IS_FP8,
-                            FP8_LIMIT)  # fmt: skip
+            _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, cache_mask, IS_FP8)
 
 
 @torch.library.custom_op("libkk::qk_norm_rope", mutates_args=())
@@ -290,7 +286,7 @@ def _launch_qk_norm_rope(
         q.stride(0), k.stride(0), stride_v, kv_stride, eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF_PAD=next_pow2(head_dim // 2), STORE=store, PAGE=page,
-        IS_FP8=store and kv_cache.dtype == FP8_DTYPE, FP8_LIMIT=FP8_MAX,
+        IS_FP8=store and kv_cache.dtype == FP8_DTYPE,
         num_warps=1, **pdl_args(q.device),
     )  # fmt: skip
 
@@ -329,7 +325,7 @@ def qk_norm_rope_ref(
     return one(q, q_weight), one(k, k_weight)
 
 
-@torch.library.custom_op("libkk::qk_norm_rope_store_kv", mutates_args=("kv_cache",))
+@torch.library.custom_op("libkk::qk_norm_rope_store_kv", mutates_args=("kv_cache", "q_out"))
 def qk_norm_rope_store_kv(
     q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
@@ -343,24 +339,29 @@ def qk_norm_rope_store_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 works too)
     k_scale: torch.Tensor,  # [1] fp32; used only by FP8 caches
     v_scale: torch.Tensor,  # [1] fp32
-) -> torch.Tensor:  # q normalized and rotated
+    q_out: torch.Tensor,  # [num_tokens, num_heads * head_dim] contiguous: q normalized, rotated
+) -> None:
     """qk_norm_rope, then store_kv of the rotated k and of v, in one launch: k never leaves the
-    kernel. Same values, rounding and skipped padded rows as the two ops."""
+    kernel. Same values, rounding and skipped padded rows as the two ops.
+
+    NOTE: q comes back through q_out, as every op here that writes into an argument returns
+    nothing: torch 2.11's dispatcher crashed (in C++, on the first call) on this op while it
+    both mutated the cache and returned q."""
     check_device(q)
     shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
     check_store_args(k.view(shape), v.view(shape), kv_cache, slot_mapping)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
+        raise ValueError(f"q_out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
     _launch_qk_norm_rope(
         q, k, q_weight, k_weight, cos_sin_cache, positions, eps, q_out,
         v=v, kv_cache=kv_cache, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    return q_out
 
 
 @qk_norm_rope_store_kv.register_fake
 def _(q, k, v, q_weight, k_weight, cos_sin_cache, positions, eps, kv_cache, slot_mapping,
-      k_scale, v_scale) -> torch.Tensor:  # fmt: skip
-    return q.new_empty(q.shape)
+      k_scale, v_scale, q_out) -> None:  # fmt: skip
+    return None
 
 
 def qk_norm_rope_store_kv_ref(
@@ -376,8 +377,9 @@ def qk_norm_rope_store_kv_ref(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
-) -> torch.Tensor:
+    q_out: torch.Tensor,
+) -> None:
     q, k = qk_norm_rope_ref(q, k, q_weight, k_weight, cos_sin_cache, positions, eps)
     shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
     store_kv_ref(k.view(shape), v.view(shape), kv_cache, slot_mapping, k_scale, v_scale)
-    return q
+    q_out.copy_(q)

@@ -386,7 +386,10 @@ class Engine:
             raise  # the ranks may be out of step: no retry, the session fails
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
             logger.warning(
-                "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e
+                "step failed (%s: %s); retrying its requests one by one",
+                type(e).__name__,
+                e,
+                exc_info=True,
             )
             runner_out = self._execute_isolated(sched_out, outputs)
         elapsed = time.perf_counter() - start
@@ -426,7 +429,10 @@ class Engine:
             raise
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
             logger.warning(
-                "step failed (%s: %s); retrying its requests one by one", type(e).__name__, e
+                "step failed (%s: %s); retrying its requests one by one",
+                type(e).__name__,
+                e,
+                exc_info=True,
             )
             outputs += self._finish_in_flight()
             return outputs + self._launch_isolated(sched_out)

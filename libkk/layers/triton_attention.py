@@ -52,10 +52,12 @@ class TritonAttentionBackend(AttentionBackend):
         """One kernel normalizes and rotates q and k and stores k and v (k never reaches
         memory outside the cache), then the attention kernel."""
         k_scale, v_scale = self._scales(kv_cache.device, k_scale, v_scale)
-        q = qk_norm_rope_store_kv(
-            q, k, v, *prologue.args(positions), kv_cache, metadata.slot_mapping, k_scale, v_scale
-        )
-        q = q.view(q.shape[0], -1, prologue.head_dim)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        qk_norm_rope_store_kv(
+            q, k, v, *prologue.args(positions), kv_cache, metadata.slot_mapping, k_scale, v_scale,
+            q_out,
+        )  # fmt: skip
+        q = q_out.view(q.shape[0], -1, prologue.head_dim)
         return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale)
 
     def _scales(

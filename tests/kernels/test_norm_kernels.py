@@ -117,7 +117,7 @@ def test_qk_norm_rope_reference_is_the_model_path():
 @pytest.mark.parametrize("heads", [(4, 2, 16), (6, 3, 24), (32, 8, 128)])
 @pytest.mark.parametrize("num_tokens", [0, 7])
 def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num_tokens):
-    """The fused op returns qk_norm_rope's q and leaves the cache exactly as store_kv of
+    """The fused op writes qk_norm_rope's q into q_out and leaves the cache exactly as store_kv of
     qk_norm_rope's k (and v) does; padded rows (the null block, -1) write nothing."""
     num_heads, num_kv_heads, head_dim = heads
     page, num_blocks = 4, 6
@@ -143,13 +143,15 @@ def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num
     rows = (num_tokens, num_kv_heads, head_dim)
     store_kv(want_k.view(rows), v.view(rows), want, slots, k_scale, v_scale)
     got = poisoned.clone()
-    got_q = qk_norm_rope_store_kv(q, k, v, *args, got, slots, k_scale, v_scale)
+    got_q = torch.full_like(want_q, float("nan"))
+    qk_norm_rope_store_kv(q, k, v, *args, got, slots, k_scale, v_scale, got_q)
     assert torch.equal(got_q, want_q)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got[:, 0].float().isnan().all()  # the null block: padded rows wrote nothing
 
     ref = poisoned.clone()
-    ref_q = qk_norm_rope_store_kv_ref(q, k, v, *args, ref, slots, k_scale, v_scale)
+    ref_q = torch.empty_like(want_q)
+    qk_norm_rope_store_kv_ref(q, k, v, *args, ref, slots, k_scale, v_scale, ref_q)
     _close(got_q, ref_q, dtype)
     if cache_dtype != FP8_DTYPE:  # FP8's one-code steps are far coarser than the dtype's
         written = ~ref.isnan()
