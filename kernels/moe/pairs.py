@@ -33,12 +33,10 @@ from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_valu
 
 
 @jit
-def _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, xe, xo, gscale, IS_NVFP4: tl.constexpr,
-                 GROUP: tl.constexpr, USE_PTX: tl.constexpr):  # fmt: skip
-    """[BN] fp32: each row of a [BN, BK/2] packed weight tile (scales [BN, BK/G]) dotted with the
-    step's even and odd activations xe, xo [BK/2] (fp32)."""
-    packed = tl.load(w_ptrs, mask=wmask, other=0)
-    sbyte = tl.load(s_ptrs, mask=smask, other=0)
+def _w4_row_dots(packed, sbyte, xe, xo, gscale, IS_NVFP4: tl.constexpr, GROUP: tl.constexpr,
+                 USE_PTX: tl.constexpr):  # fmt: skip
+    """[BN] fp32: each row of a [BN, BK/2] packed weight tile (scale bytes [BN, BK/G]) dotted with
+    the step's even and odd activations xe, xo [BK/2] (fp32)."""
     if USE_PTX:
         lo, hi = _e2m1_pairs_as_f16(packed)
     else:
@@ -56,13 +54,10 @@ def _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, xe, xo, gscale, IS_NVFP4: tl.cons
 
 
 @jit
-def _gemv_step(x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.constexpr,
-               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """One K step of a pair-major product: the activations' even and odd elements [BK/2] (fp32),
-    pointers to the packed bytes [BN, BK/2] and scale bytes [BN, BK/G], and their masks."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
-    xe, xo = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
+def _w4_step_ptrs(w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of a pair-major product: pointers to the packed bytes [BN, BK/2] and the scale
+    bytes [BN, BK/G], and their masks."""
     j = tl.arange(0, BLOCK_K // 2)
     g = tl.arange(0, BLOCK_K // GROUP)
     w_ptrs = w_base + n[:, None] * stride_wn + (k0 // 2 + j)[None, :]
@@ -73,7 +68,15 @@ def _gemv_step(x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K: tl.
     else:
         wmask = nmask[:, None] & ((k0 + 2 * j) < K)[None, :]
         smask = nmask[:, None] & ((k0 + g * GROUP) < K)[None, :]
-    return xe, xo, w_ptrs, s_ptrs, wmask, smask
+    return w_ptrs, s_ptrs, wmask, smask
+
+
+@jit
+def _x_step(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of the activations: even and odd elements [BK/2], fp32."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
 
 
 @jit
@@ -122,13 +125,18 @@ def _gate_up_gemv_kernel(
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xe, xo, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
-            x_row, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        w_ptrs, s_ptrs, wmask, smask = _w4_step_ptrs(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
         )
-        acc_g += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, xe, xo, g_gate, IS_NVFP4, GROUP,
-                              USE_PTX)  # fmt: skip
-        acc_u += _w4_row_dots(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, wmask, smask, xe,
-                              xo, g_up, IS_NVFP4, GROUP, USE_PTX)  # fmt: skip
+        # The weight streams' loads are issued before the activations' (as in kernels/gemv.py,
+        # where x first measured 10-17% slower on the H200).
+        gate_w = tl.load(w_ptrs, mask=wmask, other=0)
+        up_w = tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0)
+        gate_s = tl.load(s_ptrs, mask=smask, other=0)
+        up_s = tl.load(s_ptrs + N * stride_sn, mask=smask, other=0)
+        xe, xo = _x_step(x_row, k0, K, BLOCK_K)
+        acc_g += _w4_row_dots(gate_w, gate_s, xe, xo, g_gate, IS_NVFP4, GROUP, USE_PTX)
+        acc_u += _w4_row_dots(up_w, up_s, xe, xo, g_up, IS_NVFP4, GROUP, USE_PTX)
     tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
 
 
@@ -165,12 +173,13 @@ def _down_gemv_kernel(
     gscale = _global_scale(g_ptr, expert, IS_NVFP4)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ae, ao, w_ptrs, s_ptrs, wmask, smask = _gemv_step(
-            a_ptr + pair * stride_at, w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K,
-            GROUP, BLOCK_K, EVEN_K,
-        )  # fmt: skip
-        acc += _w4_row_dots(w_ptrs, s_ptrs, wmask, smask, ae, ao, gscale, IS_NVFP4, GROUP,
-                            USE_PTX)  # fmt: skip
+        w_ptrs, s_ptrs, wmask, smask = _w4_step_ptrs(
+            w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
+        )
+        packed = tl.load(w_ptrs, mask=wmask, other=0)  # weights before activations, as above
+        sbyte = tl.load(s_ptrs, mask=smask, other=0)
+        ae, ao = _x_step(a_ptr + pair * stride_at, k0, K, BLOCK_K)
+        acc += _w4_row_dots(packed, sbyte, ae, ao, gscale, IS_NVFP4, GROUP, USE_PTX)
     tl.store(out_ptr + pair * stride_ot + n, _routed(acc, tl.load(rw_ptr + pair), DT), mask=nmask)
 
 
