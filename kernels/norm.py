@@ -4,7 +4,9 @@ launch each.
 Inductor, compiling the forward with an unbacked token count, gives every norm a reduction
 kernel and a separate pointwise kernel (its fusion scores need size hints an unbacked size lacks),
 and Qwen3's q/k norms plus rotary four; at decode sizes each is a ~1.5 µs launch-bound kernel.
-As opaque ops these run as one kernel per norm and one per attention layer's q/k.
+As opaque ops these run as one kernel per norm and one per attention layer's q/k. `add_rms_norm`
+also takes an MoE layer's routed expert outputs [tokens, top_k, hidden] and sums them first, so
+the top-k sum, which Inductor cannot fold into an opaque op, needs no kernel of its own.
 `qk_norm_rope_store_kv` is the q/k kernel writing the rotated k, and v, into the paged KV cache
 (as `store_kv` would) instead of returning k: attention reads keys only from the cache, so the
 store's own launch goes.
@@ -37,6 +39,7 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    NUM_TERMS: tl.constexpr,  # x rows per output row, summed first (an MoE layer's top-k outputs)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -44,7 +47,13 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * NUM_TERMS * stride_x + cols, mask=mask, other=0.0)
+    if NUM_TERMS > 1:  # in order, in fp32, rounded once: torch's sum over the terms' dim
+        acc = x.to(tl.float32)
+        for t in tl.static_range(1, NUM_TERMS):
+            term = tl.load(x_ptr + (row * NUM_TERMS + t) * stride_x + cols, mask=mask, other=0.0)
+            acc += term.to(tl.float32)
+        x = acc.to(x.dtype)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -81,7 +90,8 @@ def rms_norm(
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows, weight, out, out, rows.stride(0), 0, hidden, eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block), **pdl_args(x.device),
+            HAS_RESIDUAL=False, NUM_TERMS=1, BLOCK=block, num_warps=_warps(block),
+            **pdl_args(x.device),
         )  # fmt: skip
     return out
 
@@ -93,22 +103,27 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.library.custom_op("libkk::add_rms_norm", mutates_args=())
 def add_rms_norm(
-    x: torch.Tensor,  # [..., hidden]
-    residual: torch.Tensor,  # x's shape and dtype
+    x: torch.Tensor,  # residual's shape, or [..., num_terms, hidden]: terms summed first
+    residual: torch.Tensor,  # [..., hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype."""
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype. An x with one more
+    dimension than residual holds terms of x (an MoE layer's routed expert outputs): they are
+    summed in fp32 and rounded to x's dtype first, as `x.sum(dim=-2)` does, which saves that
+    sum its own kernel."""
     check_device(x)
     hidden = weight.shape[0]
+    num_terms = _num_terms(x, residual)
     rows, res_rows = _rows(x, hidden), _rows(residual, hidden)
-    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    out = torch.empty(residual.shape, dtype=_out_dtype(x, weight), device=x.device)
+    summed = torch.empty(residual.shape, dtype=x.dtype, device=x.device)
+    if res_rows.shape[0]:
         block = next_pow2(hidden)
-        _rms_norm_kernel[(rows.shape[0],)](
+        _rms_norm_kernel[(res_rows.shape[0],)](
             rows, res_rows, weight, out, summed, rows.stride(0), res_rows.stride(0), hidden, eps,
-            HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block), **pdl_args(x.device),
+            HAS_RESIDUAL=True, NUM_TERMS=num_terms, BLOCK=block, num_warps=_warps(block),
+            **pdl_args(x.device),
         )  # fmt: skip
     return out, summed
 
@@ -117,7 +132,23 @@ def add_rms_norm(
 def _(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape, dtype=_out_dtype(x, weight)), x.new_empty(x.shape)
+    _num_terms(x, residual)
+    return (
+        x.new_empty(residual.shape, dtype=_out_dtype(x, weight)),
+        x.new_empty(residual.shape),
+    )
+
+
+def _num_terms(x: torch.Tensor, residual: torch.Tensor) -> int:
+    """1 when x has residual's shape; K when x is residual's shape with a K axis before hidden."""
+    if x.shape == residual.shape:
+        return 1
+    if x.dim() == residual.dim() + 1 and x.shape[:-2] + x.shape[-1:] == residual.shape:
+        return x.shape[-2]
+    raise ValueError(
+        f"add_rms_norm: x {tuple(x.shape)} must have residual's shape {tuple(residual.shape)}, "
+        "or that shape with a terms axis before the last"
+    )
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -135,6 +166,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _num_terms(x, residual)  # checks the shapes
+    if x.dim() > residual.dim():
+        x = x.sum(dim=-2)  # fp32 accumulation, rounded to x's dtype
     summed = x + residual  # in the activation dtype, as HF's `residual + hidden_states`
     return rms_norm_ref(summed, weight, eps), summed
 

@@ -11,7 +11,8 @@ Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captur
 3. `moe_w4a16_gate_up`: per M block (one expert), x[token] @ w13[expert]^T with the 4-bit weights
    dequantized in the kernel, then SiLU(gate) * up -> intermediate [num_pairs, I].
 4. `moe_w4a16_down`: intermediate[pair] @ w2[expert]^T times the pair's routing weight -> [num_pairs,
-   hidden]; `fused_moe_w4a16` then sums each token's top_k rows.
+   hidden] (`fused_moe_w4a16_routed`); `fused_moe_w4a16` then sums each token's top_k rows, or
+   the caller leaves that sum to the residual add and norm that follow (`add_rms_norm`).
 
 4-bit weights: uint8 [E, N, K/2], two E2M1 codes per byte, element 2i in the low nibble. Scales:
 uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),
@@ -81,6 +82,7 @@ from .w4a16 import (
     fused_moe_w4a16,
     fused_moe_w4a16_measured,
     fused_moe_w4a16_ref,
+    fused_moe_w4a16_routed,
     moe_w4a16_down,
     moe_w4a16_down_ref,
     moe_w4a16_gate_up,
@@ -114,6 +116,7 @@ __all__ = [
     "fused_moe_w4a16",
     "fused_moe_w4a16_measured",
     "fused_moe_w4a16_ref",
+    "fused_moe_w4a16_routed",
     "install_tile_choice",
     "installed_tile_choices",
     "max_padded_pairs",

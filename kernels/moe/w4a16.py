@@ -326,21 +326,40 @@ def fused_moe_w4a16(
     fmt: str,
     config: MoeTileConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, H]
-    """The whole expert computation of one layer on 4-bit weights; no host synchronisation.
+    """The whole expert computation of one layer on 4-bit weights; no host synchronisation:
+    `fused_moe_w4a16_routed`, then the top-k sum (torch's, accumulating in fp32)."""
+    return fused_moe_w4a16_routed(
+        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
+        config,
+    ).sum(dim=1)  # fmt: skip
 
-    The top-k sum is left to torch (which accumulates it in fp32): under torch.compile it fuses
-    into the residual add that follows instead of costing a kernel of its own."""
+
+def fused_moe_w4a16_routed(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_global: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_global: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: str,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, top_k, H]
+    """`fused_moe_w4a16` before its top-k sum: each (token, expert) pair's output times its
+    routing weight, left for a consumer that sums them itself (`add_rms_norm` takes the terms)."""
     args = (x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt)
     if config is None:
         if torch.compiler.is_compiling():
             # The tiles depend on the token count: picked at run time inside an opaque op, so
             # the trace neither branches on the count nor is specialised per token bucket.
-            return fused_moe_w4a16_measured(*args).sum(dim=1)
+            return fused_moe_w4a16_measured(*args)
         top_k = topk_ids.shape[1]
         shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
         if has_tile_choices(shape):
             config = tile_choice(shape, topk_ids.shape[0])
-    return _routed_pair_outputs(*args, config or default_tile_config(topk_ids.shape[0])).sum(dim=1)
+    return _routed_pair_outputs(*args, config or default_tile_config(topk_ids.shape[0]))
 
 
 def _routed_pair_outputs(
@@ -389,8 +408,8 @@ def fused_moe_w4a16_measured(
     topk_ids: torch.Tensor,
     fmt: str,
 ) -> torch.Tensor:  # [num_tokens, top_k, H]
-    """Each pair's routed output (`fused_moe_w4a16` before its top-k sum) with the installed tile
-    choice for this call's token count, as one op that torch.compile does not look into."""
+    """`fused_moe_w4a16_routed` with the installed tile choice for this call's token count, as
+    one op that torch.compile does not look into."""
     num_tokens, top_k = topk_ids.shape
     shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
     cfg = tile_choice(shape, num_tokens) or default_tile_config(num_tokens)

@@ -173,12 +173,19 @@ class SparseMoeBlock(nn.Module):
             self.experts = FusedMoE(num_experts, hidden_size, len(part))
         shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden], or on the fused 4-bit kernels without tensor parallelism
+        [num_tokens, top_k, hidden]: each routed expert's output, summed by the residual add and
+        norm that follow (RMSNorm with a residual takes such terms), which spares the sum a
+        kernel per layer."""
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         if isinstance(self.experts, QuantFusedMoE) and hidden.is_cuda:
             # no host sync: the whole packed path can be captured in a CUDA graph
             weights, ids = moe_topk_routing(router_logits, self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self.experts(hidden, weights, ids)  # [num_tokens, hidden]
-        return all_reduce(out) if get_tp_size() > 1 else out
+        if get_tp_size() > 1:
+            return all_reduce(self.experts(hidden, weights, ids))
+        if isinstance(self.experts, QuantFusedMoE) and self.experts.leaves_topk_sum():
+            return self.experts.routed_outputs(hidden, weights, ids)
+        return self.experts(hidden, weights, ids)

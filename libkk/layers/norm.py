@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # CUDA: one kernel; CPU: the op's torch reference (HF's order of casts and adds).
+        # CUDA: one kernel; CPU: the op's torch reference (HF's order of casts and adds). With a
+        # residual, x may be [..., terms, hidden] (an MoE layer's top-k outputs): summed first.
         if residual is None:
             return (rms_norm if x.is_cuda else rms_norm_ref)(x, self.weight, self.eps)
         return (add_rms_norm if x.is_cuda else add_rms_norm_ref)(x, residual, self.weight, self.eps)

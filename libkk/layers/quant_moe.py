@@ -52,6 +52,7 @@ from libkk.kernels.moe import (
     fused_moe_w4a8_ref,
     fused_moe_w4a16,
     fused_moe_w4a16_ref,
+    fused_moe_w4a16_routed,
 )
 from libkk.layers.linear import check_shape
 from libkk.layers.registry import LayerRegistry
@@ -313,6 +314,25 @@ class QuantFusedMoE(nn.Module):
             return False
         return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
 
+    def leaves_topk_sum(self) -> bool:
+        """Whether `routed_outputs` serves this forward: the fused W4A16 kernels, nothing else
+        (no torch fallback, no W4A8 prefill rows)."""
+        return self.fused_kernels and not self.fp8_prefill
+
+    def routed_outputs(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:  # [num_tokens, top_k, hidden]
+        """forward before its top-k sum, for a consumer that sums the terms itself (the next
+        residual add and norm: `add_rms_norm`); only where `leaves_topk_sum`."""
+        return fused_moe_w4a16_routed(
+            hidden, *self._weights(), topk_weights, topk_ids, self.weight_format
+        )
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        s13, s2 = self.scales()
+        return (self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
+                self.w2_weight_scale_2)  # fmt: skip
+
     def run_experts(
         self,
         hidden: torch.Tensor,
@@ -320,9 +340,7 @@ class QuantFusedMoE(nn.Module):
         topk_ids: torch.Tensor,
         fp8: bool,
     ) -> torch.Tensor:
-        s13, s2 = self.scales()
-        weights = (self.w13_weight, s13, self.w13_weight_scale_2, self.w2_weight, s2,
-                   self.w2_weight_scale_2)  # fmt: skip
+        weights = self._weights()
         kernels = self.fused_kernels  # else: dequantize and loop over experts in torch
         if fp8:
             x_scale, a_scale = self.fp8_scales()

@@ -96,9 +96,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        hidden: torch.Tensor,  # [num_tokens, hidden] (or the previous layer's top-k terms)
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None in the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it). The output may carry an MoE
+        layer's top-k terms ([num_tokens, top_k, hidden]): the next norm sums them."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -129,7 +131,8 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
             if i in self.aux_hidden_layers:
                 # The layer's output is the residual stream: the norm input the next layer sees.
-                aux.append(hidden + residual)  # [num_tokens, hidden]
+                terms = hidden.sum(dim=-2) if hidden.dim() > residual.dim() else hidden
+                aux.append(terms + residual)  # [num_tokens, hidden]
         if aux:
             self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(ids) * hidden]
         if residual is None:  # a model with no layers

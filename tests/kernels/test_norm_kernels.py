@@ -53,6 +53,34 @@ def test_rms_norm_and_add_rms_norm_equal_the_reference(dtype, hidden, num_tokens
     assert torch.equal(summed, want_summed)  # one rounding of the same sum
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "terms"), [(0, 8), (1, 8), (5, 1), (3, 2)])
+def test_add_rms_norm_sums_a_terms_axis_first(dtype, num_tokens, terms):
+    """x [T, K, hidden] (an MoE layer's routed expert outputs): the op sums the K terms in order
+    in fp32, rounds once (what `x.sum(dim=1)` computes), then adds the residual and normalizes."""
+    hidden = 100
+    g = torch.Generator().manual_seed(num_tokens * 10 + terms)
+    x = torch.randn(num_tokens, terms, hidden, generator=g).to(dtype).to(DEVICE)
+    residual = (torch.randn(num_tokens, hidden, generator=g) * 4).to(dtype).to(DEVICE)
+    weight = (1 + torch.randn(hidden, generator=g) / 4).to(dtype).to(DEVICE)
+    out, summed = add_rms_norm(x, residual, weight, 1e-6)
+    terms_sum = x[:, 0].float().clone()  # (a copy: fp32 x's .float() is x itself)
+    for k in range(1, terms):
+        terms_sum += x[:, k].float()
+    want_out, want_summed = add_rms_norm(terms_sum.to(dtype), residual, weight, 1e-6)
+    assert out.shape == summed.shape == residual.shape
+    assert torch.equal(summed, want_summed) and torch.equal(out, want_out)
+    ref_out, ref_summed = add_rms_norm_ref(x, residual, weight, 1e-6)
+    _close(summed, ref_summed, dtype)
+    _close(out, ref_out, dtype)
+
+
+def test_add_rms_norm_rejects_a_shape_that_is_not_residuals():
+    x, residual = torch.zeros(3, 2, 64, device=DEVICE), torch.zeros(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="residual's shape"):
+        add_rms_norm(x, residual, torch.ones(64, device=DEVICE), 1e-6)
+
+
 def test_rms_norm_keeps_leading_dims_and_promotes_to_the_weight_dtype():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 4, 32, generator=g).to(torch.float16).to(DEVICE)
