@@ -10,7 +10,7 @@ batch routes to (expected distinct experts per layer under uniform routing: E * 
 plus the KV cache.
 
     python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
-        [--async-scheduling]
+        [--scheduling auto|sync|async]
     python benchmarks/decode.py --shape qwen3-30b-a3b --experts nvfp4 --batch 1 8 32 128
 
 `--experts nvfp4|mxfp4` (MoE shapes) writes the experts pre-quantized (`libkk quantize`'s
@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 from floors import copy_bandwidth
 from profiling import profile_steps
+
+# --scheduling: libkk's async_scheduling setting ("auto": the engine decides, asynchronous on CUDA)
+SCHEDULING = {"auto": "auto", "sync": False, "async": True}
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -201,7 +204,7 @@ def bench_libkk(
     tokens: int,
     repeats: int,
     profile: bool = False,
-    async_scheduling: bool = False,
+    async_scheduling: bool | str = "auto",
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -222,9 +225,14 @@ def bench_libkk(
             outs = s.generate(ids, params)
             steps.append(max(o.timeline.decode_time for o in outs) / tokens)
         weights = s.engine.weights_bytes
+        launched_ahead = s.engine.config.scheduler.async_scheduling  # "auto" decided
         if profile:
             profile_steps(s, ids, tokens)
-    return {"ms_per_step": [t * 1e3 for t in steps], "weights_bytes": weights}
+    return {
+        "ms_per_step": [t * 1e3 for t in steps],
+        "weights_bytes": weights,
+        "async_scheduling": launched_ahead,
+    }
 
 
 def bench_transformers(path: Path, batch: int, prompt: int, tokens: int, repeats: int) -> dict:
@@ -271,9 +279,11 @@ def main() -> None:
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", action="store_true", help="profile the first batch size")
     ap.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="libkk launches each step before the previous step's tokens reach the host",
+        "--scheduling",
+        choices=sorted(SCHEDULING),
+        default="auto",
+        help="libkk's async_scheduling: the engine's default (auto: asynchronous on CUDA), or "
+        "forced synchronous / asynchronous",
     )
     args = ap.parse_args()
     cfg = {**COMMON, **SHAPES[args.shape]}
@@ -293,7 +303,13 @@ def main() -> None:
     for batch in args.batch:
         profile = args.profile and batch == args.batch[0]
         kk = bench_libkk(
-            path, batch, args.prompt, args.tokens, args.repeats, profile, args.async_scheduling
+            path,
+            batch,
+            args.prompt,
+            args.tokens,
+            args.repeats,
+            profile,
+            SCHEDULING[args.scheduling],
         )
         ctx = args.prompt + args.tokens // 2
         floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3
@@ -302,7 +318,7 @@ def main() -> None:
             "libkk_ms": statistics.median(kk["ms_per_step"]),
             "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
             "floor_ms": floor_ms,
-            "async_scheduling": args.async_scheduling,
+            "async_scheduling": kk["async_scheduling"],
         }
         print(json.dumps(row), flush=True)
         if not args.no_peer:
@@ -313,7 +329,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
-        f"\n{name} decode{' (async scheduling)' if args.async_scheduling else ''}, "
+        f"\n{name} decode{' (async scheduling)' if rows and rows[0]['async_scheduling'] else ''}, "
         f"prompt {args.prompt}, {args.tokens} tokens, "
         f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
     )

@@ -28,7 +28,7 @@ vocab shards (the full-vocab case gathers whole rows for both).
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --batch 32 --drafting --draft-temperature 1
     python benchmarks/tp.py --shapes qwen3-30b-a3b --experts nvfp4 --tp 1 2
     python benchmarks/tp.py --shapes qwen3-8b --tp 2 --profile    (rank 0's kernels and host ops)
-    python benchmarks/tp.py --shapes qwen3-8b --tp 1 2 --compile --async-scheduling
+    python benchmarks/tp.py --shapes qwen3-8b --tp 1 2 --compile --scheduling async
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_case(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=max(4096, args.prefill_len),
         enable_prefix_caching=False,
         torch_compile=args.compile,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=decode.SCHEDULING[args.scheduling],
         worker_timeout_s=120.0,
         progress=False,
         speculative=speculative,
@@ -193,7 +193,8 @@ def main() -> None:
                     help="MoE shapes: experts written pre-quantized (kept packed at every TP)")  # fmt: skip
     ap.add_argument("--compile", action="store_true", help="torch.compile (slow cold start)")
     ap.add_argument("--profile", action="store_true", help="rank 0's prefill and decode profile")
-    ap.add_argument("--async-scheduling", action="store_true", help="(not with --drafting)")
+    ap.add_argument("--scheduling", choices=sorted(decode.SCHEDULING), default="auto",
+                    help="libkk's async_scheduling (auto: asynchronous unless drafting)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after")
     ap.add_argument("--case-timeout-s", type=float, default=300.0)
     ap.add_argument("--dir", default="/tmp/libkk-bench")
@@ -294,7 +295,7 @@ def _run_subprocess(
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--batch", *map(str, args.batch), "--dir", args.dir]
     cmd += ["--compile"] * args.compile + ["--profile"] * args.profile
-    cmd += ["--async-scheduling"] * args.async_scheduling
+    cmd += ["--scheduling", args.scheduling]
     print(f"{shape} TP={tp}: {' '.join(cmd[1:])}", flush=True)
     # A new session: a hung case is killed with its tensor-parallel workers.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -89,8 +89,11 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     prefill_compute_share: float | Literal["auto"] | None = None
     # Launch step k before step k-1's sampled tokens reach the host, then finish step k-1
     # (append tokens, stop checks, detokenize) while the device runs step k. Same tokens as
-    # synchronous mode; a request's outputs may come back one step() call later.
-    async_scheduling: bool = False
+    # synchronous mode; a request's outputs may come back one step() call later. "auto": on
+    # for a CUDA device unless something needs each step's tokens on the host before the next
+    # can launch (speculative decoding, shared_host_tables); off on the CPU, whose forward runs
+    # on the calling thread with nothing to overlap.
+    async_scheduling: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         s = self.prefill_compute_share
@@ -238,8 +241,20 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
     freeze_gc: bool = True
 
     def __post_init__(self) -> None:
-        if self.scheduler.async_scheduling:
+        if self.scheduler.async_scheduling is True:
             _check_async_scheduling(self)
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with its "auto" settings decided for the device type it runs on."""
+        if self.scheduler.async_scheduling != "auto":
+            return self
+        on = (
+            device_type == "cuda"
+            and self.speculative.method is None
+            and not self.model.shared_host_tables
+        )
+        scheduler = msgspec.structs.replace(self.scheduler, async_scheduling=on)
+        return msgspec.structs.replace(self, scheduler=scheduler)
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:

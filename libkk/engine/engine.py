@@ -75,9 +75,9 @@ class InFlightStep:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         clock = _StartupClock()
         self.device = resolve_device(config.device)
+        self.config = config = config.for_device(self.device.type)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)

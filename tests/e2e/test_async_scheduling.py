@@ -280,14 +280,33 @@ def test_penalties_wait_for_the_token_in_flight(tiny_llama_dir):
 
 
 def test_config_errors():
-    assert EngineConfig.from_settings(async_scheduling=True).scheduler.async_scheduling
-    assert not EngineConfig().scheduler.async_scheduling
+    assert EngineConfig.from_settings(async_scheduling=True).scheduler.async_scheduling is True
+    assert EngineConfig().scheduler.async_scheduling == "auto"
     with pytest.raises(ConfigError, match="speculative decoding"):
         EngineConfig.from_settings(async_scheduling=True, speculative={"method": "ngram"})
     with pytest.raises(ConfigError, match="shared_host_tables"):
         EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineConfig.from_settings(async_scheduling="yes")
+
+
+def test_auto_is_on_for_cuda_when_nothing_needs_the_tokens_first():
+    def decided(device_type: str, **settings) -> bool | str:
+        config = EngineConfig.from_settings(**settings).for_device(device_type)
+        return config.scheduler.async_scheduling
+
+    assert decided("cuda") is True
+    assert decided("cpu") is False
+    assert decided("cuda", speculative={"method": "ngram"}) is False
+    assert decided("cuda", shared_host_tables=True) is False
+    assert decided("cpu", async_scheduling=True) is True  # an explicit choice stays
+    assert decided("cuda", async_scheduling=False) is False
+
+
+def test_a_cpu_session_decides_auto_as_synchronous(tiny_llama_dir):
+    with Session(str(tiny_llama_dir)) as s:
+        assert s.config.scheduler.async_scheduling == "auto"
+        assert s.engine.config.scheduler.async_scheduling is False
 
 
 @pytest.mark.gpu
