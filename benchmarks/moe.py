@@ -165,9 +165,9 @@ def sweep_configs(t: int) -> list:
     from libkk.kernels.moe import PAIR_MAJOR, MoeTileConfig
 
     pairs = []  # the pair-major decode path first: the budget may not reach the end of the grid
-    if t <= 16:
-        pairs = list(itertools.product([PAIR_MAJOR], [4, 8, 16, 32], [256, 512, 2048], [2, 4],
-                                       [1, 3]))  # fmt: skip
+    if t <= 16:  # gate_up split along K first (the last field), then one program per tile
+        pairs = list(itertools.product([PAIR_MAJOR], [4, 8, 16], [256], [2, 4], [3], [2, 4]))
+        pairs += itertools.product([PAIR_MAJOR], [4, 8, 16, 32], [256, 512, 2048], [2, 4], [1, 3])
     if t <= 64:
         grid = itertools.product([16], [16, 32, 64], [128, 256], [4, 8], [2, 3, 4])
     else:

@@ -102,7 +102,8 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     """The static choice first, then its neighbours: one tile axis halved or doubled (M tiles no
     taller than the bucket needs, K steps no longer than the shorter reduction), the other warp
     count, one pipeline stage more or fewer; for W4A16 decode buckets, whose static choice is the
-    pair-major path, also the sorted path's decode tiles, which win once pairs share experts."""
+    pair-major path, gate_up split along K in 2 or 4, and the sorted path's decode tiles, which
+    win once pairs share experts."""
     base = static_config(shape.activations, num_tokens)
     max_m = max(16, min(128, next_pow2(num_tokens * shape.top_k)))
     max_k = min(256, next_pow2(min(shape.hidden, shape.intermediate)))
@@ -132,6 +133,9 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     for stages in (base.num_stages - 1, base.num_stages + 1):
         if 2 <= stages <= 4:
             add(num_stages=stages)
+    if base.block_m == PAIR_MAJOR:  # a few pairs: more programs along gate_up's K
+        for splits in (2, 4):
+            add(split_k=splits)
     if shape.activations == "w4a16" and num_tokens <= PAIR_MAJOR_MAX_TOKENS:
         k_step = max(limits["block_k"][0], min(DECODE_CONFIG.block_k, max_k))
         out.append(replace(DECODE_CONFIG, block_k=k_step))

@@ -29,6 +29,9 @@ class MoeTileConfig:
     block_k: int  # K elements per step (block_k / 2 packed bytes); a multiple of 32
     num_warps: int
     num_stages: int
+    # Pair-major only: programs along gate_up's K per tile (more programs in flight for the few
+    # pairs of a decode step); the tile's last one sums the partials in order.
+    split_k: int = 1
 
 
 # Sorted path (experts' rows gathered into M tiles). Decode: a 16-row tile (tl.dot's minimum)

@@ -97,6 +97,8 @@ def _gate_up_gemv_kernel(
     g_ptr,
     ids_ptr,  # [num_pairs] expert of each (token, k) pair: topk_ids flattened
     out_ptr,
+    part_ptr,  # SPLIT_K > 1: fp32 [num_pairs, SPLIT_K, 2, N] partial gate and up sums
+    count_ptr,  # SPLIT_K > 1: int32 [num_pairs * N tiles] arrivals, zero between launches
     stride_xt,
     stride_we,
     stride_wn,
@@ -110,13 +112,19 @@ def _gate_up_gemv_kernel(
     IS_NVFP4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every step of every split is whole
+    SPLIT_K: tl.constexpr,  # programs along K (grid axis 2)
     USE_PTX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    # this program's K range: whole steps, the last split's possibly past K (masked)
+    K_PER_SPLIT: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K
+    k_first = 0
+    if SPLIT_K > 1:
+        k_first = tl.program_id(2) * K_PER_SPLIT
     x_row = x_ptr + (pair // TOP_K) * stride_xt
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
@@ -124,7 +132,8 @@ def _gate_up_gemv_kernel(
     g_up = _global_scale(g_ptr, expert * 2 + 1, IS_NVFP4)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_first + kk
         w_ptrs, s_ptrs, wmask, smask = _w4_step_ptrs(
             w_base, s_base, stride_wn, stride_sn, n, nmask, k0, K, GROUP, BLOCK_K, EVEN_K
         )
@@ -137,7 +146,42 @@ def _gate_up_gemv_kernel(
         xe, xo = _x_step(x_row, k0, K, BLOCK_K)
         acc_g += _w4_row_dots(gate_w, gate_s, xe, xo, g_gate, IS_NVFP4, GROUP, USE_PTX)
         acc_u += _w4_row_dots(up_w, up_s, xe, xo, g_up, IS_NVFP4, GROUP, USE_PTX)
-    tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
+    if SPLIT_K > 1:
+        acc_g, acc_u, last = _join_splits(acc_g, acc_u, part_ptr, count_ptr, pair, n, nmask, N,
+                                          BLOCK_N, SPLIT_K)  # fmt: skip
+        if last:
+            tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
+    else:
+        tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
+
+
+@jit
+def _join_splits(acc_g, acc_u, part_ptr, count_ptr, pair, n, nmask, N: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+    """Split K's join without a second kernel: each split stores its partial sums and counts
+    itself in; the tile's last arrival reads all of them back, in split order (the same sums
+    whichever program arrives last, unlike atomic adds), resets the count for the next launch
+    and reports itself `last` with the totals."""
+    split = tl.program_id(2)
+    tile = pair * tl.num_programs(1) + tl.program_id(1)
+    rows = part_ptr + pair * (SPLIT_K * 2 * N) + n
+    tl.store(rows + split * (2 * N), acc_g, mask=nmask)
+    tl.store(rows + split * (2 * N) + N, acc_u, mask=nmask)
+    # The barrier orders every thread's stores before the one thread's count; acq_rel makes
+    # them visible to whoever counts in after it, and the last arrival sees every earlier
+    # split's stores (its threads wait at the second barrier).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    tl.debug_barrier()
+    last = arrived == SPLIT_K - 1
+    total_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    total_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if last:
+        for s in tl.static_range(SPLIT_K):  # L2 reads: other programs wrote them
+            total_g += tl.load(rows + s * (2 * N), mask=nmask, other=0.0, cache_modifier=".cg")
+            total_u += tl.load(rows + s * (2 * N) + N, mask=nmask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)
+    return total_g, total_u, last
 
 
 @jit
@@ -219,14 +263,41 @@ def _fused_moe_w4a16_pairs(
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps),
                   **pdl_args(x.device))  # fmt: skip
-    _gate_up_gemv_kernel[(num_tokens * top_k, -(-inter // cfg.block_n))](
-        x, w13, w13_scale, w13_global, ids, a,
+    pairs, tiles, splits = num_tokens * top_k, -(-inter // cfg.block_n), cfg.split_k
+    part, counts = a, ids  # unread with one split
+    if splits > 1:
+        part = torch.empty(pairs, splits, 2, inter, dtype=torch.float32, device=x.device)
+        counts = _arrival_counts(x.device, pairs * tiles)
+    _gate_up_gemv_kernel[(pairs, tiles, splits)](
+        x, w13, w13_scale, w13_global, ids, a, part, counts,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        a.stride(0), N=inter, K=hidden, TOP_K=top_k, EVEN_K=hidden % cfg.block_k == 0, **common,
+        a.stride(0), N=inter, K=hidden, TOP_K=top_k,
+        EVEN_K=hidden % (splits * cfg.block_k) == 0, SPLIT_K=splits, **common,
     )  # fmt: skip
-    _down_gemv_kernel[(num_tokens * top_k, -(-hidden // cfg.block_n))](
+    _down_gemv_kernel[(pairs, -(-hidden // cfg.block_n))](
         a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), y,
         a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
     )  # fmt: skip
     return y.view(num_tokens, top_k, -1)
+
+
+# Per device: the split-K join's arrival counts, zeros between launches (each tile's last arrival
+# resets its count). Grown outside CUDA graph capture only; a graph keeps using the buffer it was
+# captured with, so every buffer ever handed out stays alive.
+_ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
+_EVERY_ARRIVAL_BUFFER: list[torch.Tensor] = []
+
+
+def _arrival_counts(device: torch.device, numel: int) -> torch.Tensor:
+    counts = _ARRIVAL_COUNTS.get(device)
+    if counts is None or counts.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise _err(
+                f"the split-K arrival counts ({numel}) must be allocated before CUDA graph "
+                "capture: run the layer once at this size first"
+            )
+        counts = torch.zeros(max(numel, 1024), dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTS[device] = counts
+        _EVERY_ARRIVAL_BUFFER.append(counts)
+    return counts

@@ -65,6 +65,9 @@ def check_tile_config(activations: str, config: TileConfig) -> None:
             f"block_m must be >= 16 (tl.dot's minimum) or {PAIR_MAJOR} (W4A16 pair-major), "
             f"got {config.block_m}"
         )
+    split_k = getattr(config, "split_k", 1)
+    if split_k & (split_k - 1) or (split_k > 1 and not pair_major):
+        raise _err(f"split_k must be a power of two, above 1 only on the pair-major path: {config}")
     if config.block_n < 16 and not pair_major:
         raise _err(f"block_n must be >= 16 (tl.dot's minimum) on M tiles, got {config.block_n}")
     if isinstance(config, MoeTileConfig) and config.block_k < 32:

@@ -249,6 +249,36 @@ def test_pair_major_path_vs_reference(shape, block_k, dtype, fmt):
     torch.testing.assert_close(out, sorted_out, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("shape", [(1, 8, 4, 128, 64), (3, 8, 2, 96, 64)], ids=["t1", "t3-96"])
+def test_pair_major_gate_up_split_along_k(shape, splits):
+    """gate_up's K in 2 or 4 programs per tile, joined by the tile's last arrival: the one-program
+    result up to fp32 association, the same bytes on a second call (the arrival counts are back
+    at zero), and a hidden size of 96 leaves the last split partly past K."""
+    t, e, k, hidden, inter = shape
+    fmt, dtype = "nvfp4", torch.float32
+    w13, s13, g13, w2, s2, g2 = random_layer(e, hidden, inter, fmt, seed=5 * t + splits)
+    gen = torch.Generator().manual_seed(t + 7)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = M.moe_topk_routing_ref(torch.randn(t, e, generator=gen).to(DEVICE), k, True)
+    args = (x, w13, s13, g13, w2, s2, g2, weights, ids, fmt)
+    one = M.MoeTileConfig(M.PAIR_MAJOR, 16, 32, 4, 1)
+    split = M.MoeTileConfig(M.PAIR_MAJOR, 16, 32, 4, 1, split_k=splits)
+    M.check_tile_config("w4a16", split)
+    want = M.fused_moe_w4a16_routed(*args, one)
+    got = M.fused_moe_w4a16_routed(*args, split)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    assert torch.equal(M.fused_moe_w4a16_routed(*args, split), got)
+
+
+def test_split_k_is_a_pair_major_power_of_two():
+    with pytest.raises(M.MoeKernelError, match="split_k"):
+        M.check_tile_config("w4a16", M.MoeTileConfig(M.PAIR_MAJOR, 16, 64, 4, 1, split_k=3))
+    with pytest.raises(M.MoeKernelError, match="split_k"):
+        M.check_tile_config("w4a16", M.MoeTileConfig(16, 32, 64, 4, 1, split_k=2))
+
+
 def test_tile_configs_accept_pair_major_for_w4a16_only():
     M.check_tile_config("w4a16", PAIRS)
     with pytest.raises(M.MoeKernelError, match="block_m"):
