@@ -69,8 +69,13 @@ class TuneProblem:
     dtype: torch.dtype  # the activations'
 
 
-# Seconds per call of `problem` with `config`; raises if the config cannot run (compiler, memory).
+# Seconds per call of `problem` with `config`; raises if the config cannot run (compiler, memory),
+# TileMismatch if it runs but computes something else.
 Timer = Callable[[TuneProblem, TileConfig], float]
+
+
+class TileMismatch(RuntimeError):
+    """A candidate tile's output differs from the static choice's."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,8 @@ def _measure(problem: TuneProblem, timer: Timer) -> TileChoice | None:
     for config in candidate_configs(problem.shape, problem.num_tokens):
         try:
             times[config] = timer(problem, config)
+        except TileMismatch as e:  # a kernel bug at this tile: never chosen, and said loudly
+            logger.warning("MoE tile rejected at %d tokens: %s", problem.num_tokens, e)
         except Exception as e:  # a tile the compiler or the device refuses (shared memory)
             logger.debug("MoE tile %s fails at %d tokens: %s", config, problem.num_tokens, e)
     if not times:
@@ -300,11 +307,13 @@ class CudaTileTimer:
         self.replays = replays
         self.seed = seed
         self._inputs: dict[tuple[int, MoeShape, int], tuple[torch.Tensor, ...]] = {}
+        self._references: dict[tuple[int, MoeShape, int], torch.Tensor] = {}
 
     @torch.inference_mode()
     def __call__(self, problem: TuneProblem, config: TileConfig) -> float:
         run = self._runner(problem, config)
-        run()  # compiles the kernels; raises here for a tile that cannot run
+        out = run()  # compiles the kernels; raises here for a tile that cannot run
+        self._check(problem, config, out)
         torch.cuda.synchronize()
 
         def calls() -> None:
@@ -336,6 +345,18 @@ class CudaTileTimer:
             return lambda: fused_moe_w4a8(x, *weights, x_scale, a_scale, topk_weights, topk_ids,
                                           shape.fmt, config)  # fmt: skip
         return lambda: fused_moe_w4a16(x, *weights, topk_weights, topk_ids, shape.fmt, config)
+
+    def _check(self, problem: TuneProblem, config: TileConfig, out: torch.Tensor) -> None:
+        """Raises TileMismatch unless `out` is the static choice's output up to the rounding a
+        different summation order makes: a tile is timed only once it computes the layer."""
+        key = (id(problem.layer), problem.shape, problem.num_tokens)
+        if key not in self._references:
+            static = static_config(problem.shape.activations, problem.num_tokens)
+            self._references[key] = self._runner(problem, static)().float()
+        want = self._references[key]
+        error = (out.float() - want).abs().max().item() if want.numel() else 0.0
+        if not error <= 2e-2 * want.abs().max().item():  # NaN fails too
+            raise TileMismatch(f"{config} differs from the static choice's output by {error}")
 
     def _problem_inputs(self, problem: TuneProblem) -> tuple[torch.Tensor, ...]:
         key = (id(problem.layer), problem.shape, problem.num_tokens)

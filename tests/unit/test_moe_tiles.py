@@ -12,6 +12,7 @@ from libkk.graphs.artifact_key import ArtifactKey
 from libkk.graphs.artifacts import ArtifactCache
 from libkk.graphs.moe_tiles import (
     STORE_KERNELS,
+    TileMismatch,
     TuneProblem,
     candidate_configs,
     packed_moe_problems,
@@ -313,6 +314,21 @@ def test_tuner_picks_the_fastest_records_and_a_reload_times_nothing(tmp_path, ca
         (b, want[b], "recorded") for b in buckets
     ]
     assert M.installed_tile_choices() == {SHAPE: want}
+
+
+def test_a_tile_whose_output_differs_is_never_chosen(tmp_path, caplog):
+    """The timer checks each candidate's output against the static choice's first: a tile that
+    would be fastest but computes something else is rejected, with a warning."""
+
+    def timer(problem: TuneProblem, config) -> float:
+        if config == candidate_configs(problem.shape, problem.num_tokens)[-1]:
+            raise TileMismatch(f"{config} differs")
+        return _FakeTimer()(problem, config)
+
+    with caplog.at_level(logging.WARNING, logger="libkk"):
+        choices = tune_moe_tiles(_TinyMoeModel(), _entry(tmp_path), 1, timer=timer)
+    assert [c.config for c in choices] == [candidate_configs(SHAPE, 1)[0]]  # the static choice
+    assert any("MoE tile rejected" in r.getMessage() for r in caplog.records)
 
 
 def test_a_torn_line_is_skipped_and_only_its_bucket_is_tuned_again(tmp_path):
