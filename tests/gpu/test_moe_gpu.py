@@ -283,17 +283,26 @@ def test_tiny_model_greedy_packed_equals_dequantized(tiny_moe_dirs, fmt):
     assert PagedKV(prefetched, device=DEV).greedy(prompt, 24) == want
 
 
-def test_tiny_model_bf16_logits_close(tiny_moe_dirs):
+def test_tiny_model_bf16_logits_as_close_as_the_dequantized_model(tiny_moe_dirs):
+    """In bf16, the packed experts' logits are as close to the fp32 logits of the same weights
+    as the dequantized experts' bf16 logits are: the kernels add no error beyond bf16's own
+    (they form the same bf16 weights and round where the unfused path rounds)."""
     path = tiny_moe_dirs["nvfp4"]
-    packed, _ = load_model(path, torch.bfloat16, torch.device(DEV), progress=False)
-    ref, _ = load_model(path, torch.bfloat16, torch.device("cpu"), progress=False)
-    ref = ref.to(DEV)
     prompts = [[5, 17, 300, 99, 42, 7, 1000], [3, 4]]
-    got = PagedKV(packed, dtype=torch.bfloat16, device=DEV).prefill_logits(prompts)
-    want = PagedKV(ref, dtype=torch.bfloat16, device=DEV).prefill_logits(prompts)
-    for g, w in zip(got, want, strict=True):
-        err = (g.float() - w.float()).norm() / w.float().norm()
-        assert err < 3e-2, f"relative logits error {err:.2e}"
+
+    def logits(dtype: torch.dtype, load_on: str) -> list[torch.Tensor]:
+        model, _ = load_model(path, dtype, torch.device(load_on), progress=False)
+        # loaded on the CPU the experts are dequantized; on CUDA they stay packed
+        return PagedKV(model.to(DEV), dtype=dtype, device=DEV).prefill_logits(prompts)
+
+    exact = logits(torch.float32, "cpu")
+    packed, dequantized = logits(torch.bfloat16, DEV), logits(torch.bfloat16, "cpu")
+
+    def error(x: torch.Tensor, want: torch.Tensor) -> float:
+        return ((x.float() - want).norm() / want.norm()).item()
+
+    for p, d, w in zip(packed, dequantized, exact, strict=True):
+        assert error(p, w) <= 1.5 * error(d, w) + 1e-3, (error(p, w), error(d, w))
 
 
 @pytest.mark.parametrize("compile_", [False, True])
