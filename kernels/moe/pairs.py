@@ -24,12 +24,13 @@ from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_valu
 # With a few tokens, each (token, expert) pair is its own matrix-vector product: both grids run
 # over (pair, N tile), reading the pair's expert id straight from topk_ids. No alignment, no
 # tensor cores: each weight costs a multiply-add instead of a tensor-core operand round trip
-# through shared memory. (A down kernel summing a token's experts itself would save the top-k
-# sum's launch but give each program top_k times the serial weight stream; one token's layer
-# would then run on H / BLOCK_N programs.) Pairs that share an expert read its weights once
-# each, so the sorted path wins once tokens share experts often; the tile tuner measures both.
-# The weight tile is [BN, BK/2] bytes with K contiguous (rows of the checkpoint's layout), each
-# scale group's partial sum is taken in fp32 and multiplied by its scale once.
+# through shared memory. (The top-k sum is left to the consumer, `add_rms_norm` in a model: a
+# down kernel summing a token's experts itself would give each program top_k times the serial
+# weight stream, one token's layer then running on H / BLOCK_N programs.) Pairs that share an
+# expert read its weights once each, so the sorted path wins once tokens share experts often;
+# the tile tuner measures both. The weight tile is [BN, BK/2] bytes with K contiguous (rows of
+# the checkpoint's layout), each scale group's partial sum is taken in fp32 and multiplied by its
+# scale once. gate_up's grid has a third axis, its K split (`split_k`; see _join_splits).
 
 
 @jit
