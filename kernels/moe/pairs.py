@@ -284,8 +284,9 @@ def _fused_moe_w4a16_pairs(
 
 
 # Per device: the split-K join's arrival counts, zeros between launches (each tile's last arrival
-# resets its count). Grown outside CUDA graph capture only; a graph keeps using the buffer it was
-# captured with, so every buffer ever handed out stays alive.
+# resets its count). One buffer per device assumes its gate_up launches never overlap, as on the
+# one stream a model's forward runs on. Grown outside CUDA graph capture only; a graph keeps
+# using the buffer it was captured with, so every buffer ever handed out stays alive.
 _ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
 _EVERY_ARRIVAL_BUFFER: list[torch.Tensor] = []
 
