@@ -68,14 +68,15 @@ _SMALL_ROWS = 256
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), as F.linear computes it, but faster for the few rows of a decode step.
 
-    CUDA: the `libkk::linear` op (a Triton GEMV for one token, cuBLAS for more).
+    CUDA: the `libkk::linear` op (a Triton GEMV for one token, cuBLAS for more), unless autograd
+    records the product (training a draft model): the op has no backward.
     NOTE: on CPU, MKL runs x @ W^T as a single-threaded gemv for one row and as a slower gemm for
     a few; the same product taken as (W @ x^T)^T ran 1.3-3x faster at 1-128 rows of SmolLM2's
     fp32 shapes on a 2-core machine, about even at 256-512 and 2x slower at 1.5K (prefill), so
     only decode-sized inputs take it. One row is doubled so it takes the gemm path too. Traced
     code (torch.compile) takes F.linear: its token count may be unbacked, not to branch on.
     """
-    if x.is_cuda:
+    if x.is_cuda and not records_grad(x, weight, bias):
         return gemv_linear(x, weight, bias)
     if (
         x.device.type != "cpu"
@@ -87,6 +88,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x if x.shape[0] > 1 else torch.cat([x, x])
     out = torch.mm(weight, rows.t()).t()[: x.shape[0]].contiguous()  # [num_tokens, out]
     return out if bias is None else out + bias
+
+
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors (libkk's kernels have no backward)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def new_param(
