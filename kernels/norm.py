@@ -378,9 +378,8 @@ def qk_norm_rope_store_kv(
     """qk_norm_rope, then store_kv of the rotated k and of v, in one launch: k never leaves the
     kernel. Same values, rounding and skipped padded rows as the two ops.
 
-    NOTE: q comes back through q_out, as every op here that writes into an argument returns
-    nothing: torch 2.11's dispatcher crashed (in C++, on the first call) on this op while it
-    both mutated the cache and returned q."""
+    q comes back through q_out: like every op here that writes into an argument, it returns
+    nothing."""
     check_device(q)
     shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
     check_store_args(k.view(shape), v.view(shape), kv_cache, slot_mapping)

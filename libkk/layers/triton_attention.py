@@ -1,6 +1,7 @@
 """Paged attention on the Triton ops of libkk.kernels (the CUDA backend).
 
-Same contract as the torch reference backend: store the step's K/V first, then attend. Padded rows
+Same contract as the torch reference backend: store the step's K/V first, then attend (with
+Qwen3's q/k norms and rotation, one kernel does those and the store). Padded rows
 (slots in the null block, or negative) are not written at all. FP8 (e4m3) caches store x / scale
 with the calling layer's [1] fp32 k_scale and v_scale, read by address: CUDA graphs captured
 before the layer's scales change (calibration) read the new values on replay.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from libkk.kernels import paged_attention, store_kv
+from libkk.kernels import paged_attention, qk_norm_rope_store_kv, store_kv
 from libkk.layers.attention import AttentionBackend
 from libkk.layers.forward_context import AttentionMetadata
 
@@ -43,6 +44,20 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         k_scale, v_scale = self._scales(kv_cache.device, k_scale, v_scale)
         store_kv(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale)
+
+    def forward_qk_norm_rope(
+        self, q, k, v, prologue, positions, kv_cache, metadata, scale, k_scale=None, v_scale=None
+    ):
+        """One kernel normalizes and rotates q and k and stores k and v (k never reaches
+        memory outside the cache), then the attention kernel."""
+        k_scale, v_scale = self._scales(kv_cache.device, k_scale, v_scale)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        qk_norm_rope_store_kv(
+            q, k, v, *prologue.args(positions), kv_cache, metadata.slot_mapping, k_scale, v_scale,
+            q_out,
+        )  # fmt: skip
+        q = q_out.view(q.shape[0], -1, prologue.head_dim)
         return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale)
 
     def _scales(

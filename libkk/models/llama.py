@@ -30,6 +30,7 @@ from libkk.layers.linear import (
     RowParallelLinear,
     Slices,
     default_weight_loader,
+    records_grad,
 )
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RotaryEmbedding
@@ -46,8 +47,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        if x.is_cuda:  # the product and the activation in one kernel at decode sizes
-            act = gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        w, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
+        if x.is_cuda and not records_grad(x, w, bias):  # product and activation in one kernel
+            act = gate_up_silu(x, w, bias)
         else:
             act = self.act_fn(self.gate_up_proj(x))  # [num_tokens, intermediate]
         return self.down_proj(act)

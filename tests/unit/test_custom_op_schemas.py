@@ -22,8 +22,8 @@ def test_ops_are_registered():
 
 
 def test_ops_that_write_an_argument_return_nothing():
-    """An op that writes into an argument hands its results back through arguments too: on the
-    GPU, torch 2.11's dispatcher failed in C++ on the first call of an op that did both."""
+    """An op that writes into an argument hands its results back through arguments too (one
+    convention: a caller sees from the schema alone which buffers an op fills)."""
     both = []
     for schema in _libkk_schemas():
         written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]

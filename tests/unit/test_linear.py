@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from libkk.layers.linear import linear
+from libkk.layers.linear import linear, records_grad
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 300])
@@ -25,3 +25,38 @@ def test_linear_other_ranks_fall_back():
     x = torch.randn(2, 3, 8)
     w = torch.randn(5, 8)
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+def test_records_grad_only_while_autograd_records():
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    assert records_grad(x, w, None)
+    assert not records_grad(x, None)
+    with torch.no_grad():
+        assert not records_grad(x, w)
+    with torch.inference_mode():
+        assert not records_grad(torch.randn(2, 3), torch.randn(4, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_layers_train_through_the_torch_reference():
+    """Where autograd records (a draft model in training), the CUDA layers take torch's
+    arithmetic, whose backward exists; libkk's kernels have none."""
+    from libkk.layers.norm import RMSNorm
+    from libkk.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        mlp, norm = LlamaMLP(32, 64), RMSNorm(32)
+        for p in mlp.parameters():
+            p.data.normal_(0, 0.2)
+            p.requires_grad_(True)
+        x = torch.randn(5, 32, requires_grad=True)
+    out, _ = norm(mlp(x), x)
+    out.square().sum().backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+    assert all(p.grad is not None for p in mlp.parameters())
+    with torch.no_grad():  # the kernels, without autograd: the same forward
+        kernel_out, _ = norm(mlp(x), x)
+    torch.testing.assert_close(kernel_out, out.detach(), rtol=1e-4, atol=1e-4)
