@@ -14,8 +14,8 @@ stored. The gate and up sums round to the activation dtype first (as the separat
 does); silu and the product are fp32, rounded once (as Inductor's fused pointwise kernel does).
 
 Split K: a tall K on few rows (the down projection) leaves too few programs to keep the memory
-system busy; its programs then write fp32 partial sums, which a second kernel adds in a fixed
-order (deterministic, unlike atomics).
+system busy; its programs then store fp32 partial sums, which each row block's last program adds
+in a fixed order (kernels/split_join.py: deterministic, and no second kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from ._jit import check_device, jit, pdl_args, wait_for_previous
+from .split_join import arrival_counts, arrive, sum_partials
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,7 +36,7 @@ class GemvConfig(NamedTuple):
     block_n: int  # weight rows per program
     block_k: int  # columns per load
     unroll: int  # loads in flight per loop iteration
-    splits: int  # programs along K (> 1: partial sums + a reduce kernel)
+    splits: int  # programs along K (> 1: partial sums, joined by the last)
     num_warps: int
 
 
@@ -63,7 +64,9 @@ def _gemv_kernel(
     x_ptr,  # [K]
     w_ptr,  # [N, K] (SILU_MUL: [2N, K], gate rows then up rows)
     bias_ptr,  # [N] (SILU_MUL: [2N])
-    out_ptr,  # [N] (SPLIT: fp32 [splits, N] partial sums)
+    out_ptr,  # [N]
+    part_ptr,  # SPLITS > 1: fp32 [SPLITS, N] partial sums
+    count_ptr,  # SPLITS > 1: int32 arrival count per row block, zero between launches
     N,
     K,
     k_per_split,
@@ -73,7 +76,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr,  # programs along K (grid axis 1)
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -84,7 +87,7 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_N,), tl.float32)
     k_start = 0
     k_stop = K
-    if SPLIT:
+    if SPLITS > 1:
         k_start = tl.program_id(1) * k_per_split
         k_stop = k_start + k_per_split
     for k0 in range(k_start, k_stop, BLOCK_K * UNROLL):
@@ -103,9 +106,13 @@ def _gemv_kernel(
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if SILU_MUL:
                 acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-    if SPLIT:
-        tl.store(out_ptr + tl.program_id(1) * N + n, acc, mask=n_mask)
-    else:
+    last = True
+    if SPLITS > 1:
+        tl.store(part_ptr + tl.program_id(1) * N + n, acc, mask=n_mask)
+        last = arrive(count_ptr, pid_n, SPLITS)
+        if last:
+            acc = sum_partials(part_ptr + n, N, n_mask, SPLITS)
+    if last:
         out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -116,28 +123,6 @@ def _gemv_kernel(
             up = acc_up.to(out_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + n, acc.to(out_ty), mask=n_mask)
-
-
-@jit
-def _sum_splits_kernel(
-    part_ptr,  # fp32 [SPLITS, N]
-    bias_ptr,  # [N]
-    out_ptr,  # [N]
-    N,
-    HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < N
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(SPLITS):  # a fixed order: the same sum every run
-        acc += tl.load(part_ptr + s * N + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -165,26 +150,23 @@ def gemv(
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     cfg = cfg or gemv_config(weight.shape[0], k, silu_mul)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    split = cfg.splits > 1 and not silu_mul
-    splits = cfg.splits if split else 1
+    splits = cfg.splits if not silu_mul else 1
     k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
-    target = torch.empty((splits, n), dtype=torch.float32, device=x.device) if split else out
+    blocks = -(-n // cfg.block_n)
+    part, counts = out, out  # unread with one split
+    if splits > 1:
+        part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counts(x.device, blocks)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
-    pdl = pdl_args(x.device)
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
-    _gemv_kernel[(-(-n // cfg.block_n), splits)](
-        x, weight, bias_arg, target, n, k, k_per_split, weight.stride(0),
+    _gemv_kernel[(blocks, splits)](
+        x, weight, bias_arg, out, part, counts, n, k, k_per_split, weight.stride(0),
         HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        UNROLL=cfg.unroll, SPLIT=split, num_warps=cfg.num_warps, num_stages=1, **pdl,
+        UNROLL=cfg.unroll, SPLITS=splits, num_warps=cfg.num_warps, num_stages=1,
+        **pdl_args(x.device),
     )  # fmt: skip
-    if split:
-        block = 1024
-        _sum_splits_kernel[(-(-n // block),)](
-            target, bias_arg, out, n,
-            HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block, num_warps=4, **pdl,
-        )  # fmt: skip
     return out
 
 

@@ -6,6 +6,7 @@ import torch
 import triton.language as tl
 
 from .._jit import check_device, jit, pdl_args, wait_for_previous
+from ..split_join import arrival_counts, arrive, sum_partials
 from .common import (
     GROUP,
     MoeTileConfig,
@@ -30,7 +31,8 @@ from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_valu
 # expert read its weights once each, so the sorted path wins once tokens share experts often;
 # the tile tuner measures both. The weight tile is [BN, BK/2] bytes with K contiguous (rows of
 # the checkpoint's layout), each scale group's partial sum is taken in fp32 and multiplied by its
-# scale once. gate_up's grid has a third axis, its K split (`split_k`; see _join_splits).
+# scale once. gate_up's grid has a third axis, its K split (`split_k`, joined as kernels/split_join.py
+# describes).
 
 
 @jit
@@ -148,41 +150,16 @@ def _gate_up_gemv_kernel(
         acc_g += _w4_row_dots(gate_w, gate_s, xe, xo, g_gate, IS_NVFP4, GROUP, USE_PTX)
         acc_u += _w4_row_dots(up_w, up_s, xe, xo, g_up, IS_NVFP4, GROUP, USE_PTX)
     if SPLIT_K > 1:
-        acc_g, acc_u, last = _join_splits(acc_g, acc_u, part_ptr, count_ptr, pair, n, nmask, N,
-                                          BLOCK_N, SPLIT_K)  # fmt: skip
-        if last:
+        tile = pair * tl.num_programs(1) + tl.program_id(1)
+        rows = part_ptr + pair * (SPLIT_K * 2 * N) + n
+        tl.store(rows + tl.program_id(2) * (2 * N), acc_g, mask=nmask)
+        tl.store(rows + tl.program_id(2) * (2 * N) + N, acc_u, mask=nmask)
+        if arrive(count_ptr, tile, SPLIT_K):
+            acc_g = sum_partials(rows, 2 * N, nmask, SPLIT_K)
+            acc_u = sum_partials(rows + N, 2 * N, nmask, SPLIT_K)
             tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
     else:
         tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
-
-
-@jit
-def _join_splits(acc_g, acc_u, part_ptr, count_ptr, pair, n, nmask, N: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """Split K's join without a second kernel: each split stores its partial sums and counts
-    itself in; the tile's last arrival reads all of them back, in split order (the same sums
-    whichever program arrives last, unlike atomic adds), resets the count for the next launch
-    and reports itself `last` with the totals."""
-    split = tl.program_id(2)
-    tile = pair * tl.num_programs(1) + tl.program_id(1)
-    rows = part_ptr + pair * (SPLIT_K * 2 * N) + n
-    tl.store(rows + split * (2 * N), acc_g, mask=nmask)
-    tl.store(rows + split * (2 * N) + N, acc_u, mask=nmask)
-    # The barrier orders every thread's stores before the one thread's count; acq_rel makes
-    # them visible to whoever counts in after it, and the last arrival sees every earlier
-    # split's stores (its threads wait at the second barrier).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-    tl.debug_barrier()
-    last = arrived == SPLIT_K - 1
-    total_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    total_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if last:
-        for s in tl.static_range(SPLIT_K):  # L2 reads: other programs wrote them
-            total_g += tl.load(rows + s * (2 * N), mask=nmask, other=0.0, cache_modifier=".cg")
-            total_u += tl.load(rows + s * (2 * N) + N, mask=nmask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0)
-    return total_g, total_u, last
 
 
 @jit
@@ -268,7 +245,7 @@ def _fused_moe_w4a16_pairs(
     part, counts = a, ids  # unread with one split
     if splits > 1:
         part = torch.empty(pairs, splits, 2, inter, dtype=torch.float32, device=x.device)
-        counts = _arrival_counts(x.device, pairs * tiles)
+        counts = arrival_counts(x.device, pairs * tiles)
     _gate_up_gemv_kernel[(pairs, tiles, splits)](
         x, w13, w13_scale, w13_global, ids, a, part, counts,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -281,25 +258,3 @@ def _fused_moe_w4a16_pairs(
         y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
     )  # fmt: skip
     return y.view(num_tokens, top_k, -1)
-
-
-# Per device: the split-K join's arrival counts, zeros between launches (each tile's last arrival
-# resets its count). One buffer per device assumes its gate_up launches never overlap, as on the
-# one stream a model's forward runs on. Grown outside CUDA graph capture only; a graph keeps
-# using the buffer it was captured with, so every buffer ever handed out stays alive.
-_ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
-_EVERY_ARRIVAL_BUFFER: list[torch.Tensor] = []
-
-
-def _arrival_counts(device: torch.device, numel: int) -> torch.Tensor:
-    counts = _ARRIVAL_COUNTS.get(device)
-    if counts is None or counts.numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise _err(
-                f"the split-K arrival counts ({numel}) must be allocated before CUDA graph "
-                "capture: run the layer once at this size first"
-            )
-        counts = torch.zeros(max(numel, 1024), dtype=torch.int32, device=device)
-        _ARRIVAL_COUNTS[device] = counts
-        _EVERY_ARRIVAL_BUFFER.append(counts)
-    return counts

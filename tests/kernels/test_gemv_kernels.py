@@ -9,7 +9,8 @@ import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
-from libkk.kernels.gemv import gemv_config, gemv_fits
+from libkk.kernels.gemv import gemv, gemv_config, gemv_fits
+from libkk.kernels.split_join import arrival_counts
 
 pytestmark = RUNS_KERNELS
 
@@ -51,6 +52,19 @@ def test_linear_equals_the_reference(dtype, n, k, bias):
     x, weight, b = _inputs(1, n, k, dtype, n + k, bias)
     assert gemv_fits(x, weight)
     _close(linear(x, weight, b), linear_ref(x, weight, b), dtype)
+
+
+@pytest.mark.parametrize("n,k", [(8, 8200), (40, 4096)])
+def test_split_k_is_joined_by_the_last_program(n, k):
+    """The split sums, joined in the kernel, equal the one-program sums up to fp32 association;
+    a second call gives the same bytes and every arrival count is back at zero."""
+    x, weight, b = _inputs(1, n, k, torch.float32, 7, bias=True)
+    cfg = gemv_config(n, k)
+    assert cfg.splits > 1
+    first = linear(x, weight, b)
+    assert torch.equal(linear(x, weight, b), first)
+    assert not arrival_counts(x.device, 1).any()
+    _close(first, gemv(x, weight, b, silu_mul=False, cfg=cfg._replace(splits=1)), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
