@@ -58,11 +58,18 @@ def _rms_norm_kernel(
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(residual_out_ptr + row * hidden + cols, x, mask=mask)
+    store_rms_norm(x, weight_ptr, out_ptr + row * hidden, cols, mask, hidden, eps)
+
+
+@jit
+def store_rms_norm(x, weight_ptr, out_ptr, cols, mask, hidden, eps):
+    """weight * (x / rms(x)) of one row x (the activation dtype, zero where ~mask) into
+    out_ptr + cols, the normalized x rounded to x's dtype before the multiply (rms_norm_ref)."""
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     y = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:

@@ -79,10 +79,16 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.o_proj(self.attend(positions, hidden))
+
+    def attend(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, H * D]: attention's output, before o_proj
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [T, H * D]
-        return self.o_proj(out)
+        return self.attn(q, k, v)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,8 +114,10 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        # the output projection, residual add and norm as one op (one kernel at one token)
+        hidden, residual = self.self_attn.o_proj.forward_add_rms_norm(
+            self.self_attn.attend(positions, hidden), residual, self.post_attention_layernorm
+        )
         hidden = self.mlp(hidden)
         return hidden, residual
 
