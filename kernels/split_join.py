@@ -51,6 +51,9 @@ def sum_partials(ptrs, split_stride, mask, SPLITS: tl.constexpr):
 # Per device: every buffer ever handed out stays alive, since a CUDA graph keeps using the one it
 # was captured with.
 _COUNTS: dict[torch.device, torch.Tensor] = {}
+# 32 KiB: more tiles than any projection here has (8B's 1,024 row blocks plus the norm's count),
+# so the buffer is not regrown between the graphs of one model.
+_MIN_COUNTS = 8192
 _EVERY_BUFFER: list[torch.Tensor] = []
 
 
@@ -64,7 +67,7 @@ def arrival_counts(device: torch.device, numel: int) -> torch.Tensor:
                 f"the split-K arrival counts ({numel}) must be allocated before CUDA graph "
                 "capture: run the kernel once at this size first"
             )
-        counts = torch.zeros(max(numel, 1024), dtype=torch.int32, device=device)
+        counts = torch.zeros(max(numel, _MIN_COUNTS), dtype=torch.int32, device=device)
         _COUNTS[device] = counts
         _EVERY_BUFFER.append(counts)
     return counts

@@ -190,3 +190,10 @@ class SparseMoeBlock(nn.Module):
         if isinstance(self.experts, QuantFusedMoE) and self.experts.leaves_topk_sum():
             return self.experts.routed_outputs(hidden, weights, ids)
         return self.experts(hidden, weights, ids)
+
+    def forward_add_rms_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(self(hidden), residual): the MLP interface a decoder layer calls (the norm sums
+        top-k terms itself)."""
+        return norm(self(hidden), residual)
