@@ -77,8 +77,13 @@ def test_split_k_is_joined_by_the_last_program(n, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2])
-# (out, in): one program per row block, a split K, and an output wider than one program's rows
-@pytest.mark.parametrize("n,k", [(37, 200), (40, 4096), (301, 64)])
+# (out, in): one program per row block, a split K, an output wider than one program's rows, and on
+# CUDA the 8B and 30B-A3B o projections and the 8B down projection
+@pytest.mark.parametrize(
+    "n,k",
+    [(37, 200), (40, 4096), (301, 64)]
+    + ([(4096, 4096), (2048, 4096), (4096, 12288)] if ON_CUDA else []),
+)
 def test_linear_add_rms_norm_is_the_two_ops(dtype, rows, n, k):
     """The last row block's add and norm give the bytes of linear, then add_rms_norm (one
     token); more tokens run those two ops. Every arrival count is back at zero."""
