@@ -276,6 +276,31 @@ def test_pair_major_path_vs_reference(shape, block_k, dtype, fmt):
     torch.testing.assert_close(out, sorted_out, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=lambda d: str(d)[6:]
+)
+def test_packed_experts_add_no_error_beyond_the_activation_dtype(fmt, tokens, dtype):
+    """Held against the fp32 products of the same weights, both paths' 16-bit outputs are no
+    further off than the 16-bit dequantized reference's (which rounds each weight to the dtype and
+    computes in it): the kernels form each weight exactly and round where the reference rounds."""
+    e, k, hidden, inter = 8, 4, 128, 64
+    w13, s13, g13, w2, s2, g2 = random_layer(e, hidden, inter, fmt, seed=11 + tokens)
+    gen = torch.Generator().manual_seed(tokens + 3)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = M.moe_topk_routing_ref(torch.randn(tokens, e, generator=gen).to(DEVICE), k, True)
+    args = (w13, s13, g13, w2, s2, g2, weights, ids, fmt)
+    exact = M.fused_moe_w4a16_ref(x.float(), *args)
+
+    def error(out: torch.Tensor) -> float:
+        return ((out.float() - exact).norm() / exact.norm()).item()
+
+    bound = 1.05 * error(M.fused_moe_w4a16_ref(x, *args))
+    for cfg in (M.MoeTileConfig(M.PAIR_MAJOR, 16, 64, 4, 1), M.MoeTileConfig(16, 32, 64, 4, 1)):
+        assert error(M.fused_moe_w4a16(x, *args, cfg)) <= bound, cfg
+
+
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("shape", [(1, 8, 4, 128, 64), (3, 8, 2, 96, 64)], ids=["t1", "t3-96"])
 def test_pair_major_gate_up_split_along_k(shape, splits):
