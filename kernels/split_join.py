@@ -1,12 +1,13 @@
-"""Split K joined inside the splitting kernel, with no second kernel.
+"""Work that needs every program's results, done by the last program to finish instead of a
+second kernel: at decode sizes a launch costs about what such a step does.
 
-A product with a tall K and few output rows gives too few programs to keep the memory system
-busy, so K is split over several programs per output tile, each summing its part in fp32. Each
-program stores its partial sums and counts itself in at the tile's arrival count (`arrive`); the
-tile's last arrival resets the count for the next launch, reads every split's partials back and
-adds them in split order (`sum_partials`), so the sums are the same whichever program arrives
-last (unlike atomic adds). One launch fewer than a separate reduce kernel: at
-decode sizes a launch costs about what the reduce does.
+Split K: a product with a tall K and few output rows gives too few programs to keep the memory
+system busy, so K is split over several programs per output tile, each summing its part in fp32.
+Each program stores its partial sums and counts itself in at the tile's arrival count
+(`arrive`); the tile's last arrival resets the count for the next launch, reads every split's
+partials back and adds them in split order (`sum_partials`), so the sums are the same whichever
+program arrives last (unlike atomic adds). The same count over a whole grid lets its last
+program read every output back: the router's top-k, the norm after a projection.
 
 The counts live in one zeroed int32 buffer per device (`arrival_counts`). Launches sharing it
 must not overlap: libkk runs a model's forward on one stream, and a kernel launched with

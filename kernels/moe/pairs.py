@@ -31,8 +31,8 @@ from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_valu
 # expert read its weights once each, so the sorted path wins once tokens share experts often;
 # the tile tuner measures both. The weight tile is [BN, BK/2] bytes with K contiguous (rows of
 # the checkpoint's layout), each scale group's partial sum is taken in fp32 and multiplied by its
-# scale once. gate_up's grid has a third axis, its K split (`split_k`, joined as kernels/split_join.py
-# describes).
+# scale once. gate_up's grid has a third axis, its K split (`split_k`, joined as
+# kernels/split_join.py describes).
 
 
 @jit
