@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
-from .norm import add_rms_norm, add_rms_norm_ref, store_rms_norm
+from .norm import add_rms_norm, add_rms_norm_ref, store_add_rms_norm
 from .split_join import arrival_counts, arrive, sum_partials
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,10 +151,8 @@ def _gemv_kernel(
                 cols = tl.arange(0, N_PAD)
                 mask = cols < N
                 y = tl.load(out_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ty)  # rounded, as add_rms_norm
-                tl.store(summed_ptr + cols, y, mask=mask)
-                store_rms_norm(y, norm_weight_ptr, normed_ptr, cols, mask, N, eps)
+                store_add_rms_norm(y, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr,
+                                   cols, mask, N, eps)  # fmt: skip
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
