@@ -51,7 +51,6 @@ FAMILIES = (
             "_down_kernel",
             "_down_gemv",
             "_routing_kernel",
-            "_router_topk",
             "_align_count",
             "_align_prefix",
             "_align_scatter",

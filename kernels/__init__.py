@@ -8,14 +8,7 @@ for tests at small shapes).
 from __future__ import annotations
 
 from .attention import default_num_splits, paged_attention, paged_attention_ref
-from .gemv import (
-    gate_up_silu,
-    gate_up_silu_ref,
-    linear,
-    linear_add_rms_norm,
-    linear_add_rms_norm_ref,
-    linear_ref,
-)
+from .gemv import gate_up_silu, gate_up_silu_ref, linear, linear_ref
 from .kv_cache import FP8_DTYPE, store_kv, store_kv_ref
 from .norm import (
     add_rms_norm,
@@ -36,8 +29,6 @@ __all__ = [
     "gate_up_silu",
     "gate_up_silu_ref",
     "linear",
-    "linear_add_rms_norm",
-    "linear_add_rms_norm_ref",
     "linear_ref",
     "paged_attention",
     "paged_attention_ref",

@@ -16,10 +16,6 @@ does); silu and the product are fp32, rounded once (as Inductor's fused pointwis
 Split K: a tall K on few rows (the down projection) leaves too few programs to keep the memory
 system busy; its programs then store fp32 partial sums, which each row block's last program adds
 in a fixed order (kernels/split_join.py: deterministic, and no second kernel).
-
-`linear_add_rms_norm` is a projection followed by the residual add and RMSNorm (the attention
-output projection and the norm after it): the last row block to store its outputs reads the whole
-row back and does the norm's work, so the norm costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
-from .norm import add_rms_norm, add_rms_norm_ref, store_add_rms_norm
+from ._jit import check_device, jit, pdl_args, wait_for_previous
 from .split_join import arrival_counts, arrive, sum_partials
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,12 +60,36 @@ def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
 
 
 @jit
-def row_dots(x_ptr, w_ptr, n, n_mask, k_start, k_stop, K, stride_w, N, SILU_MUL: tl.constexpr,
-             BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
-    """fp32 sums of x[k_start:k_stop] times weight rows n (SILU_MUL: also rows N + n, the up
-    half), one token."""
-    acc = tl.zeros(n.shape, tl.float32)
-    acc_up = tl.zeros(n.shape, tl.float32)
+def _gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K] (SILU_MUL: [2N, K], gate rows then up rows)
+    bias_ptr,  # [N] (SILU_MUL: [2N])
+    out_ptr,  # [N]
+    part_ptr,  # SPLITS > 1: fp32 [SPLITS, N] partial sums
+    count_ptr,  # SPLITS > 1: int32 arrival count per row block, zero between launches
+    N,
+    K,
+    k_per_split,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    SPLITS: tl.constexpr,  # programs along K (grid axis 1)
+    PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), tl.float32)
+    k_start = 0
+    k_stop = K
+    if SPLITS > 1:
+        k_start = tl.program_id(1) * k_per_split
+        k_stop = k_start + k_per_split
     for k0 in range(k_start, k_stop, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
             ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -87,47 +106,6 @@ def row_dots(x_ptr, w_ptr, n, n_mask, k_start, k_stop, K, stride_w, N, SILU_MUL:
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if SILU_MUL:
                 acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-    return acc, acc_up
-
-
-@jit
-def _gemv_kernel(
-    x_ptr,  # [K]
-    w_ptr,  # [N, K] (SILU_MUL: [2N, K], gate rows then up rows)
-    bias_ptr,  # [N] (SILU_MUL: [2N])
-    out_ptr,  # [N]
-    part_ptr,  # SPLITS > 1: fp32 [SPLITS, N] partial sums
-    count_ptr,  # int32 arrival counts, zero between launches: one per row block, then (NORM) one
-    residual_ptr,  # NORM: [N] added to the product
-    norm_weight_ptr,  # NORM: [N]
-    normed_ptr,  # NORM: [N] rms_norm(product + residual)
-    summed_ptr,  # NORM: [N] product + residual
-    N,
-    K,
-    k_per_split,
-    stride_w,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr,
-    SPLITS: tl.constexpr,  # programs along K (grid axis 1)
-    NORM: tl.constexpr,  # the last row block adds the residual and normalizes the whole row
-    N_PAD: tl.constexpr,  # NORM: a power of two >= N
-    PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    pid_n = tl.program_id(0)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    k_start = 0
-    k_stop = K
-    if SPLITS > 1:
-        k_start = tl.program_id(1) * k_per_split
-        k_stop = k_start + k_per_split
-    acc, acc_up = row_dots(x_ptr, w_ptr, n, n_mask, k_start, k_stop, K, stride_w, N, SILU_MUL,
-                           BLOCK_K, UNROLL)  # fmt: skip
     last = True
     if SPLITS > 1:
         tl.store(part_ptr + tl.program_id(1) * N + n, acc, mask=n_mask)
@@ -145,14 +123,6 @@ def _gemv_kernel(
             up = acc_up.to(out_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + n, acc.to(out_ty), mask=n_mask)
-        if NORM:
-            blocks = tl.num_programs(0)
-            if arrive(count_ptr, blocks, blocks):  # every row block's outputs are stored
-                cols = tl.arange(0, N_PAD)
-                mask = cols < N
-                y = tl.load(out_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
-                store_add_rms_norm(y, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr,
-                                   cols, mask, N, eps)  # fmt: skip
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -174,10 +144,8 @@ def gemv(
     bias: torch.Tensor | None,
     silu_mul: bool,
     cfg: GemvConfig | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The kernel launch behind the ops, for one token (`cfg` overrides the block sizes). With
-    `norm` = (residual, norm_weight, eps): (rms_norm(product + residual), product + residual)."""
+) -> torch.Tensor:
+    """The kernel launch behind both ops, for one token (`cfg` overrides the block sizes)."""
     k = x.shape[-1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     cfg = cfg or gemv_config(weight.shape[0], k, silu_mul)
@@ -185,25 +153,21 @@ def gemv(
     splits = cfg.splits if not silu_mul else 1
     k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
     blocks = -(-n // cfg.block_n)
-    part = out  # unread with one split
+    part, counts = out, out  # unread with one split
     if splits > 1:
         part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    counts = arrival_counts(x.device, blocks + 1) if splits > 1 or norm else out
-    residual, norm_weight, eps = norm or (out, out, 0.0)  # unread without a norm
-    normed, summed = (torch.empty_like(out), torch.empty_like(out)) if norm else (out, out)
+        counts = arrival_counts(x.device, blocks)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
     _gemv_kernel[(blocks, splits)](
-        x, weight, bias_arg, out, part, counts, residual, norm_weight, normed, summed,
-        n, k, k_per_split, weight.stride(0), eps,
+        x, weight, bias_arg, out, part, counts, n, k, k_per_split, weight.stride(0),
         HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        UNROLL=cfg.unroll, SPLITS=splits, NORM=norm is not None,
-        N_PAD=next_pow2(n) if norm else 1, num_warps=cfg.num_warps, num_stages=1,
+        UNROLL=cfg.unroll, SPLITS=splits, num_warps=cfg.num_warps, num_stages=1,
         **pdl_args(x.device),
     )  # fmt: skip
-    return (normed, summed) if norm else out
+    return out
 
 
 @torch.library.custom_op("libkk::linear", mutates_args=())
@@ -253,44 +217,3 @@ def gate_up_silu_ref(
 ) -> torch.Tensor:
     gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@torch.library.custom_op("libkk::linear_add_rms_norm", mutates_args=())
-def linear_add_rms_norm(
-    x: torch.Tensor,  # [..., in]
-    weight: torch.Tensor,  # [hidden, in]
-    bias: torch.Tensor | None,  # [hidden]
-    residual: torch.Tensor,  # [..., hidden]
-    norm_weight: torch.Tensor,  # [hidden]
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps): for one token one GEMV
-    launch whose last row block adds the residual and normalizes; otherwise the two ops."""
-    check_device(x)
-    fused = (
-        gemv_fits(x, weight)
-        and residual.shape == (1, weight.shape[0])
-        and residual.stride(-1) == 1
-        and residual.dtype == norm_weight.dtype == x.dtype
-        and norm_weight.is_contiguous()
-    )
-    if not fused:
-        return add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps)
-    return gemv(x, weight, bias, silu_mul=False, norm=(residual, norm_weight, eps))
-
-
-@linear_add_rms_norm.register_fake
-def _(x, weight, bias, residual, norm_weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(norm_weight.dtype, x.dtype)
-    return x.new_empty(residual.shape, dtype=dtype), x.new_empty(residual.shape)
-
-
-def linear_add_rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return add_rms_norm_ref(F.linear(x, weight, bias), residual, norm_weight, eps)

@@ -55,32 +55,14 @@ def _rms_norm_kernel(
             acc += term.to(tl.float32)
         x = acc.to(x.dtype)
     if HAS_RESIDUAL:
-        store_add_rms_norm(x, residual_ptr + row * stride_residual, weight_ptr,
-                           out_ptr + row * hidden, residual_out_ptr + row * hidden, cols, mask,
-                           hidden, eps)  # fmt: skip
-    else:
-        store_rms_norm(x, weight_ptr, out_ptr + row * hidden, cols, mask, hidden, eps)
-
-
-@jit
-def store_add_rms_norm(x, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, mask, hidden, eps):
-    """add_rms_norm of one row: x + residual, rounded to x's dtype, into summed_ptr + cols and its
-    norm into out_ptr + cols."""
-    r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    tl.store(summed_ptr + cols, x, mask=mask)
-    store_rms_norm(x, weight_ptr, out_ptr, cols, mask, hidden, eps)
-
-
-@jit
-def store_rms_norm(x, weight_ptr, out_ptr, cols, mask, hidden, eps):
-    """weight * (x / rms(x)) of one row x (the activation dtype, zero where ~mask) into
-    out_ptr + cols, the normalized x rounded to x's dtype before the multiply (rms_norm_ref)."""
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * hidden + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     y = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * hidden + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:

@@ -1,13 +1,12 @@
-"""Work that needs every program's results, done by the last program to finish instead of a
-second kernel: at decode sizes a launch costs about what such a step does.
+"""Split K joined inside the splitting kernel, with no second kernel.
 
-Split K: a product with a tall K and few output rows gives too few programs to keep the memory
-system busy, so K is split over several programs per output tile, each summing its part in fp32.
-Each program stores its partial sums and counts itself in at the tile's arrival count
-(`arrive`); the tile's last arrival resets the count for the next launch, reads every split's
-partials back and adds them in split order (`sum_partials`), so the sums are the same whichever
-program arrives last (unlike atomic adds). The same count over a whole grid lets its last
-program read every output back: the router's top-k, the norm after a projection.
+A product with a tall K and few output rows gives too few programs to keep the memory system
+busy, so K is split over several programs per output tile, each summing its part in fp32. Each
+program stores its partial sums and counts itself in at the tile's arrival count (`arrive`); the
+tile's last arrival resets the count for the next launch, reads every split's partials back and
+adds them in split order (`sum_partials`), so the sums are the same whichever program arrives
+last (unlike atomic adds). One launch fewer than a separate reduce kernel: at
+decode sizes a launch costs about what the reduce does.
 
 The counts live in one zeroed int32 buffer per device (`arrival_counts`). Launches sharing it
 must not overlap: libkk runs a model's forward on one stream, and a kernel launched with
@@ -23,17 +22,16 @@ from ._jit import jit
 
 
 @jit
-def arrive(count_ptr, tile, arrivals):
-    """Counts this program in at its tile, after it stored its partials: whether it is the last of
-    the tile's `arrivals` programs, which may then read every one's partials (and has reset the
-    count)."""
+def arrive(count_ptr, tile, SPLITS: tl.constexpr):
+    """Counts this program in at its tile, after it stored its partials: whether it is the tile's
+    last arrival, which may then read every split's partials (and has reset the count)."""
     # The barrier orders every thread's stores before the one thread's count; acq_rel makes them
     # visible to whoever counts in after it, and the last arrival's threads see every earlier
     # split's stores (they wait at the second barrier).
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     tl.debug_barrier()
-    last = arrived == arrivals - 1
+    last = arrived == SPLITS - 1
     if last:  # every program of this launch has counted in; the next launch starts from zero
         tl.atomic_xchg(count_ptr + tile, 0)
     return last
@@ -52,9 +50,6 @@ def sum_partials(ptrs, split_stride, mask, SPLITS: tl.constexpr):
 # Per device: every buffer ever handed out stays alive, since a CUDA graph keeps using the one it
 # was captured with.
 _COUNTS: dict[torch.device, torch.Tensor] = {}
-# 32 KiB: more tiles than any projection here has (8B's 1,024 row blocks plus the norm's count),
-# so the buffer is not regrown between the graphs of one model.
-_MIN_COUNTS = 8192
 _EVERY_BUFFER: list[torch.Tensor] = []
 
 
@@ -68,7 +63,7 @@ def arrival_counts(device: torch.device, numel: int) -> torch.Tensor:
                 f"the split-K arrival counts ({numel}) must be allocated before CUDA graph "
                 "capture: run the kernel once at this size first"
             )
-        counts = torch.zeros(max(numel, _MIN_COUNTS), dtype=torch.int32, device=device)
+        counts = torch.zeros(max(numel, 1024), dtype=torch.int32, device=device)
         _COUNTS[device] = counts
         _EVERY_BUFFER.append(counts)
     return counts

@@ -1,20 +1,12 @@
 """Routing (top-k over router probabilities) and the alignment of (token, expert) pairs into expert
-blocks for the sorted expert GEMMs.
-
-`moe_router_topk` takes the router's product too: for one token (decode at batch 1) its GEMV's
-last expert block to finish reads every logit back and picks the top-k (kernels/split_join.py's
-arrival count), so routing costs no launch of its own.
-"""
+blocks for the sorted expert GEMMs."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton.language as tl
 
 from .._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
-from ..gemv import gemv_config, gemv_fits, row_dots
-from ..split_join import arrival_counts, arrive
 from .common import SCORING, _err
 
 # --------------------------------------------------------------------------------------------------
@@ -40,15 +32,6 @@ def _routing_kernel(
     e = tl.arange(0, E_PAD)
     emask = e < NUM_EXPERTS
     x = tl.load(logits_ptr + token * stride_t + e, mask=emask, other=float("-inf")).to(tl.float32)
-    _store_topk(x, e, emask, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, E_PAD, TOP_K,
-                K_PAD, SIGMOID, RENORM)  # fmt: skip
-
-
-@jit
-def _store_topk(x, e, emask, weights_ptr, ids_ptr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-                K_PAD: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
-    """One token's top-k experts (best first, the lowest index among equal probabilities) and
-    their weights, from its fp32 router logits x [E_PAD] (-inf where ~emask)."""
     if SIGMOID:
         p = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -68,8 +51,8 @@ def _store_topk(x, e, emask, weights_ptr, ids_ptr, E_PAD: tl.constexpr, TOP_K: t
     if RENORM:
         w = w / tl.sum(tl.where(kk < TOP_K, w, 0.0), axis=0)
     kmask = kk < TOP_K
-    tl.store(weights_ptr + kk, w, mask=kmask)
-    tl.store(ids_ptr + kk, ids, mask=kmask)
+    tl.store(weights_ptr + token * TOP_K + kk, w, mask=kmask)
+    tl.store(ids_ptr + token * TOP_K + kk, ids, mask=kmask)
 
 
 def _check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> None:
@@ -139,84 +122,6 @@ def moe_topk_routing_ref(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
-
-
-@jit
-def _router_topk_kernel(
-    x_ptr,  # [K] one token
-    w_ptr,  # [NUM_EXPERTS, K] the router's weight
-    logits_ptr,  # [NUM_EXPERTS] in x's dtype, as the router's linear returns them
-    weights_ptr,
-    ids_ptr,
-    count_ptr,  # int32 [1] arrivals, zero between launches
-    K,
-    stride_w,
-    NUM_EXPERTS: tl.constexpr,
-    E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr,
-    NUM_BLOCKS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < NUM_EXPERTS
-    acc, _ = row_dots(x_ptr, w_ptr, n, n_mask, 0, K, K, stride_w, NUM_EXPERTS, False, BLOCK_K,
-                      UNROLL)  # fmt: skip
-    tl.store(logits_ptr + n, acc.to(logits_ptr.dtype.element_ty), mask=n_mask)
-    if arrive(count_ptr, 0, NUM_BLOCKS):  # every block's logits are stored
-        e = tl.arange(0, E_PAD)
-        emask = e < NUM_EXPERTS
-        x = tl.load(logits_ptr + e, mask=emask, other=float("-inf"), cache_modifier=".cg")
-        _store_topk(x.to(tl.float32), e, emask, weights_ptr, ids_ptr, E_PAD, TOP_K, K_PAD,
-                    SIGMOID, RENORM)  # fmt: skip
-
-
-@torch.library.custom_op("libkk::moe_router_topk", mutates_args=())
-def moe_router_topk(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    weight: torch.Tensor,  # [num_experts, hidden]: the router (no bias)
-    top_k: int,
-    renormalize: bool,
-    scoring: str = "softmax",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_topk_routing(x W^T, ...): for one token one kernel (the router GEMV, whose last block
-    picks the top-k); otherwise F.linear, then the routing kernel."""
-    check_device(x)
-    cfg = gemv_config(*weight.shape)
-    if not gemv_fits(x, weight) or cfg.splits > 1:
-        return moe_topk_routing(F.linear(x, weight), top_k, renormalize, scoring)
-    num_experts, hidden = weight.shape
-    logits = torch.empty(1, num_experts, dtype=x.dtype, device=x.device)
-    _check_routing(logits, top_k, scoring)
-    weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
-    blocks = -(-num_experts // cfg.block_n)
-    _router_topk_kernel[(blocks,)](
-        x, weight, logits, weights, ids, arrival_counts(x.device, 1), hidden, weight.stride(0),
-        NUM_EXPERTS=num_experts, E_PAD=next_pow2(num_experts), TOP_K=top_k,
-        K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", RENORM=renormalize,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, NUM_BLOCKS=blocks,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_args(x.device),
-    )  # fmt: skip
-    return weights, ids
-
-
-@moe_router_topk.register_fake
-def _(x, weight, top_k, renormalize, scoring="softmax"):
-    n = x.shape[0]
-    return x.new_empty(n, top_k, dtype=torch.float32), x.new_empty(n, top_k, dtype=torch.int32)
-
-
-def moe_router_topk_ref(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_topk_routing_ref(F.linear(x, weight), top_k, renormalize, scoring)
 
 
 # --------------------------------------------------------------------------------------------------

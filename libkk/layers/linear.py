@@ -32,7 +32,6 @@ from torch import nn
 from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError
 from libkk.kernels.gemv import linear as gemv_linear
-from libkk.kernels.gemv import linear_add_rms_norm
 
 WHOLE = frozenset({None})
 # (dim, start, stop) ranges of a checkpoint tensor along one dim, concatenated in order.
@@ -193,25 +192,6 @@ class RowParallelLinear(Linear):
             return linear(x, self.weight, self.bias)
         out = all_reduce(linear(x, self.weight))  # [num_tokens, out]
         return out if self.bias is None else out + self.bias
-
-    def forward_add_rms_norm(
-        self,
-        x: torch.Tensor,  # [T, in / tp]
-        residual: torch.Tensor,  # [T, out]
-        norm: nn.Module,  # an RMSNorm: (norm(y + residual), y + residual)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(self(x), residual). With the whole product on this rank, on CUDA, one op, whose
-        one-token GEMV also adds the residual and normalizes (no launch for the norm)."""
-        w = self.weight
-        fused = (
-            x.is_cuda
-            and get_tp_size() == 1
-            and w.dtype == x.dtype
-            and not records_grad(x, w, self.bias, residual, norm.weight)
-        )
-        if fused:
-            return linear_add_rms_norm(x, w, self.bias, residual, norm.weight, norm.eps)
-        return norm(self(x), residual)
 
 
 class MergedLinear(Linear):

@@ -47,19 +47,12 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.down_proj(self.activate(x))
-
-    def forward_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(self(x), residual), the down projection and the norm as one op where it can."""
-        return self.down_proj.forward_add_rms_norm(self.activate(x), residual, norm)
-
-    def activate(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, intermediate]
         w, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
         if x.is_cuda and not records_grad(x, w, bias):  # product and activation in one kernel
-            return gate_up_silu(x, w, bias)
-        return self.act_fn(self.gate_up_proj(x))
+            act = gate_up_silu(x, w, bias)
+        else:
+            act = self.act_fn(self.gate_up_proj(x))  # [num_tokens, intermediate]
+        return self.down_proj(act)
 
 
 class LlamaAttention(nn.Module):
@@ -86,21 +79,14 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.o_proj(self.attend(positions, hidden))
-
-    def attend(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, H * D]: attention's output, before o_proj
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
         q, k = self.rotary_emb(positions, q, k)
-        return self.attn(q, k, v)
+        out = self.attn(q, k, v)  # [T, H * D]
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block. Carries the residual stream separately so each norm fuses the add, and each
-    norm runs with the projection before it where it can (one kernel at one token)."""
+    """Pre-norm block. Carries the residual stream separately so each norm fuses the add."""
 
     def __init__(self, config: ArchConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -112,15 +98,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]: residual after input_layernorm
-        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream
-        next_norm: nn.Module,  # the next layer's input_layernorm, or the model's final norm
+        hidden: torch.Tensor,  # [num_tokens, hidden] (or the previous layer's top-k terms)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None in the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next_norm of the residual stream after this layer, that stream)."""
-        hidden, residual = self.self_attn.o_proj.forward_add_rms_norm(
-            self.self_attn.attend(positions, hidden), residual, self.post_attention_layernorm
-        )
-        return self.mlp.forward_add_rms_norm(hidden, residual, next_norm)
+        """(the MLP's output, the residual stream before it). The output may carry an MoE
+        layer's top-k terms ([num_tokens, top_k, hidden]): the next norm sums them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
@@ -135,16 +126,20 @@ class LlamaModel(nn.Module):
         self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
-        hidden = norms[0](residual)
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, norms[i + 1])
+            hidden, residual = layer(positions, hidden, residual)
             if i in self.aux_hidden_layers:
-                aux.append(residual)  # the layer's output: the stream the next norm took
+                # The layer's output is the residual stream: the norm input the next layer sees.
+                terms = hidden.sum(dim=-2) if hidden.dim() > residual.dim() else hidden
+                aux.append(terms + residual)  # [num_tokens, hidden]
         if aux:
             self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(ids) * hidden]
+        if residual is None:  # a model with no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 

@@ -21,13 +21,14 @@ class Qwen3Attention(LlamaAttention):
         # The norms and the rotation run inside attention (fused with the KV store on CUDA).
         self.attn.qk_norm_rope = QKNormRope(self.q_norm, self.k_norm, rotary_emb)
 
-    def attend(
+    def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, H * D]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
-        return self.attn(q, k, v, positions)  # q_norm / k_norm, then RoPE, then attention
+        out = self.attn(q, k, v, positions)  # q_norm / k_norm, then RoPE, then attention
+        return self.o_proj(out)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

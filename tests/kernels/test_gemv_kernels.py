@@ -8,15 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
-from libkk.kernels import (
-    add_rms_norm,
-    gate_up_silu,
-    gate_up_silu_ref,
-    linear,
-    linear_add_rms_norm,
-    linear_add_rms_norm_ref,
-    linear_ref,
-)
+from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
 from libkk.kernels.gemv import gemv, gemv_config, gemv_fits
 from libkk.kernels.split_join import arrival_counts
 
@@ -73,32 +65,6 @@ def test_split_k_is_joined_by_the_last_program(n, k):
     assert torch.equal(linear(x, weight, b), first)
     assert not arrival_counts(x.device, 1).any()
     _close(first, gemv(x, weight, b, silu_mul=False, cfg=cfg._replace(splits=1)), torch.float32)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2])
-# (out, in): one program per row block, a split K, an output wider than one program's rows, and on
-# CUDA the 8B and 30B-A3B o projections and the 8B down projection
-@pytest.mark.parametrize(
-    "n,k",
-    [(37, 200), (40, 4096), (301, 64)]
-    + ([(4096, 4096), (2048, 4096), (4096, 12288)] if ON_CUDA else []),
-)
-def test_linear_add_rms_norm_is_the_two_ops(dtype, rows, n, k):
-    """The last row block's add and norm give the bytes of linear, then add_rms_norm (one
-    token); more tokens run those two ops. Every arrival count is back at zero."""
-    x, weight, b = _inputs(rows, n, k, dtype, n + rows, bias=n == 37)
-    g = torch.Generator().manual_seed(k)
-    residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE)
-    norm_weight = (1 + torch.randn(n, generator=g) / 4).to(dtype).to(DEVICE)
-    normed, summed = linear_add_rms_norm(x, weight, b, residual, norm_weight, 1e-6)
-    want_normed, want_summed = add_rms_norm(linear(x, weight, b), residual, norm_weight, 1e-6)
-    assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
-    assert not arrival_counts(x.device, 1000).any()
-    ref_normed, ref_summed = linear_add_rms_norm_ref(x, weight, b, residual, norm_weight, 1e-6)
-    _close(summed, ref_summed, dtype)
-    tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
-    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

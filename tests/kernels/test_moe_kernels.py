@@ -14,9 +14,7 @@ import triton.language as tl
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import moe as M
 from libkk.kernels._jit import INTERPRETED
-from libkk.kernels.gemv import linear
 from libkk.kernels.moe import dequant
-from libkk.kernels.split_join import arrival_counts
 
 from libkk.quant.formats import (
     dequantize_mxfp4,
@@ -149,31 +147,6 @@ def test_routing_rejects_bad_inputs():
         M.moe_topk_routing(torch.zeros(2, 4, device=DEVICE), 5, True)
     with pytest.raises(M.MoeKernelError, match="scoring"):
         M.moe_topk_routing(torch.zeros(2, 4, device=DEVICE), 2, True, "relu")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3])
-# (experts, hidden, top_k): a router of Qwen3-30B-A3B's width, and experts not a power of two
-@pytest.mark.parametrize(
-    "router", [(128, 256, 8), (60, 200, 4)] + ([(128, 2048, 8)] if ON_CUDA else [])
-)
-def test_router_topk_is_the_router_linear_then_routing(dtype, tokens, router):
-    """One token: the router GEMV's last block picks the top-k, from the very logits the `linear`
-    op returns (the same bytes out); more tokens: F.linear, then the routing kernel."""
-    e, hidden, k = router
-    g = torch.Generator().manual_seed(e + tokens)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
-    w = (torch.randn(e, hidden, generator=g) / hidden**0.5).to(dtype).to(DEVICE)
-    for renorm, scoring in ((True, "softmax"), (False, "sigmoid")):
-        weights, ids = M.moe_router_topk(x, w, k, renorm, scoring)
-        two_ops = M.moe_topk_routing(linear(x, w), k, renorm, scoring)
-        assert torch.equal(weights, two_ops[0]) and torch.equal(ids, two_ops[1])
-        ref_w, ref_ids = M.moe_router_topk_ref(x.float(), w.float(), k, renorm, scoring)
-        assert ids.dtype == torch.int32 and weights.shape == (tokens, k)
-        if dtype == torch.float32:  # lower precisions may swap experts at near-equal logits
-            assert torch.equal(ids, ref_ids)
-            torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
-    assert not arrival_counts(x.device, 1).any()
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
