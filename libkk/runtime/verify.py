@@ -26,7 +26,7 @@ from torch import Tensor
 
 from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
 from libkk.runtime.input_batch import host_to_device
-from libkk.runtime.io import ScheduledRequest
+from libkk.runtime.io import ScheduledRequest, accepted_run
 from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
 from libkk.sample.sampler import SamplingRow, TokenLogprobs, _logprobs
@@ -47,6 +47,42 @@ def verify(
 ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
     """Per request: the accepted drafts then one target token, with their logprobs (None where
     the request asked for none)."""
+    out, rows = _verified(logits, requests, synthetic_rates)
+    device = out.device
+    results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
+    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
+        tokens = accepted_run(row)
+        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
+            lps = _logprobs(
+                logits[i][: len(tokens)],
+                torch.tensor(tokens, dtype=torch.int64, device=device),
+                rows[i][: len(tokens)],
+            )
+        results.append((tokens, lps))
+    return results
+
+
+def verify_on_device(
+    logits: Sequence[Tensor],  # per request [1 + n, vocab] raw target logits
+    requests: Sequence[ScheduledRequest],
+    *,
+    synthetic_rates: Sequence[float] | None = None,
+) -> Tensor:
+    """`verify`'s tokens without logprobs, left on the device for the caller to copy when it
+    chooses: [R, K+1] int64, per request its accepted drafts, one target token, then -1
+    (`accepted_run` reads a row). Reads nothing back on the host unless a row's sampling
+    filters do (top-k / top-p / min-p)."""
+    return _verified(logits, requests, synthetic_rates)[0]
+
+
+def _verified(
+    logits: Sequence[Tensor],
+    requests: Sequence[ScheduledRequest],
+    synthetic_rates: Sequence[float] | None,
+) -> tuple[Tensor, list[list[SamplingRow]]]:
+    """The verified tokens [R, K+1] on the device, and the per-position sampling rows built for
+    them (empty where every row takes the raw argmax)."""
     device = logits[0].device
     k = max(r.num_spec_tokens for r in requests)
     vocab = logits[0].shape[-1]
@@ -90,20 +126,7 @@ def verify(
             num_draft,
             check_ranges=False,  # built here: num_draft <= K, temperatures 0 or 1
         )
-
-    results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
-    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
-        # the accepted drafts, one target token, then -1 padding
-        tokens = row[: row.index(-1)] if -1 in row else row
-        lps: list[TokenLogprobs | None] = [None] * len(tokens)
-        if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
-            lps = _logprobs(
-                logits[i][: len(tokens)],
-                torch.tensor(tokens, dtype=torch.int64, device=device),
-                rows[i][: len(tokens)],
-            )
-        results.append((tokens, lps))
-    return results
+    return out, rows
 
 
 def _step_inputs(
@@ -296,7 +319,7 @@ def _synthetic(
     device = processed.device
     steps = torch.arange(k, device=device)
     per_pos = [rates[min(j, len(rates) - 1)] for j in range(k)]
-    rate = torch.tensor(per_pos, dtype=torch.float32, device=device)  # [K]
+    rate = host_to_device(torch.tensor(per_pos, dtype=torch.float32), device)  # [K]
     u = keyed_uniform_at(
         seeds.repeat_interleave(k),
         (positions[:, None] + steps[None, :] + ACCEPT_POSITION_SALT).reshape(-1),
@@ -309,7 +332,7 @@ def _synthetic(
     final = final_logits.argmax(dim=-1)
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if random_rows:  # keyed noise only where a row samples
-        idx = torch.tensor(random_rows, device=device)
+        idx = host_to_device(torch.tensor(random_rows), device)
         final[idx] = gumbel_argmax(final_logits[idx], seeds[idx], (positions + num_accepted)[idx])
     out = torch.full((num_rows, k1), -1, dtype=torch.int64, device=device)
     out[:, :k] = torch.where(steps[None, :] < num_accepted[:, None], drafts, -1)
