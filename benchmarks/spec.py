@@ -4,7 +4,7 @@ Random bf16 weights at a real shape, written as a checkpoint folder by benchmark
 helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --prompt token prompt.
 
 - baseline: no speculation in the engine's default mode (asynchronous scheduling on CUDA), and
-  in synchronous mode as a second row;
+  in synchronous mode, the one speculation runs in, as a second row;
 - synthetic: K = 7 drafts every step (any tokens: a stand-in proposer repeats the anchor) accepted
   with one keyed per-position rate r chosen so the expected acceptance length
   1 + r + ... + r^K is 2, 3.5 and 5 (rejection_sample_method="synthetic": outputs then differ
@@ -13,9 +13,7 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
   random weights the target does not continue the pattern, so the acceptance it reaches is
   reported as measured.
 - `--adaptive` adds each speculative case again with adaptive verification (the drafts each step
-  verifies chosen from the online acceptance estimate and the start-up cost tables); `--sync`
-  adds each speculative case again with synchronous scheduling (speculation runs in the default
-  mode, asynchronous on CUDA: a batch large enough alternates as two halves).
+  verifies chosen from the online acceptance estimate and the start-up cost tables).
 
 Decode tok/s = requests * tokens / the slowest request's decode time (first token to last); each
 case first runs its whole workload once untimed, then --repeats timed runs of it (median, spread).
@@ -142,7 +140,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the speculative cases")
     ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
     ap.add_argument("--adaptive", action="store_true", help="also each case adaptively verified")
-    ap.add_argument("--sync", action="store_true", help="also each case scheduled synchronously")
     args = ap.parse_args()
 
     path = Path(args.dir) / args.shape
@@ -158,7 +155,8 @@ def main() -> None:
         phrase = prompts(batch, 32, vocab, seed=1)
         repetitive = [(p * (args.prompt // 32 + 1))[: args.prompt] for p in phrase]
         # Speedups are against plain decoding in the engine's default mode (asynchronous on
-        # CUDA); plain decoding's synchronous mode is shown as well.
+        # CUDA); speculation runs synchronously, so plain decoding's synchronous mode is shown
+        # as well.
         cases = [("none", ids, {}), ("none (sync)", ids, {"async_scheduling": False})]
         for length in args.lengths:
             spec = dict(
@@ -172,9 +170,6 @@ def main() -> None:
             cases.append(("ngram", repetitive, dict(method="ngram", num_speculative_tokens=K)))
         if args.adaptive:
             cases += [(f"{name}, adaptive", workload, {**spec, "adaptive_verification": True})
-                      for name, workload, spec in cases if "method" in spec]  # fmt: skip
-        if args.sync:
-            cases += [(f"{name} (sync)", workload, {**spec, "async_scheduling": False})
                       for name, workload, spec in cases if "method" in spec]  # fmt: skip
         if not args.no_ngram:
             cases.append(("none (repetitive)", repetitive, {}))

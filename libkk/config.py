@@ -89,12 +89,10 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     prefill_compute_share: float | Literal["auto"] | None = None
     # Launch step k before step k-1's sampled tokens reach the host, then finish step k-1
     # (append tokens, stop checks, detokenize) while the device runs step k. Same tokens as
-    # synchronous mode; a request's outputs may come back one step() call later. With
-    # speculative decoding a request waits for its step's result (its drafts come from it):
-    # other requests' steps fill the gap (speculative.async_split_min_tokens). "auto": on for a
-    # CUDA device unless something needs each step's tokens on the host before the next can
-    # launch (shared_host_tables; speculation under tensor parallelism); off on the CPU, whose
-    # forward runs on the calling thread with nothing to overlap.
+    # synchronous mode; a request's outputs may come back one step() call later. "auto": on
+    # for a CUDA device unless something needs each step's tokens on the host before the next
+    # can launch (speculative decoding, shared_host_tables); off on the CPU, whose forward runs
+    # on the calling thread with nothing to overlap.
     async_scheduling: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
@@ -167,12 +165,6 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
     # profiled at start-up (libkk/engine/adaptive.py); the output is unchanged.
     adaptive_verification: bool = False
-    # Async scheduling: a decode batch verifying at least this many query tokens (requests x
-    # (1 + drafts)) runs as two halves that alternate, one verified on the device while the host
-    # finishes the other's step and drafts for it. Each half reads the weights once, so a batch
-    # pays off only where verifying is compute-bound; a smaller one runs whole, its host work
-    # not overlapped.
-    async_split_min_tokens: PositiveInt = 192
     # Tensor parallelism, DFlash: drafts (greedy and probabilistic) are drawn from each rank's
     # vocabulary shard of the LM head with one small all-gather per row, and every rank verifies
     # the drafts from its shard of the target logits (libkk/spec/vocab_parallel.py), instead of
@@ -258,7 +250,7 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
             return self
         on = (
             device_type == "cuda"
-            and (self.speculative.method is None or self.parallel.tensor_parallel_size == 1)
+            and self.speculative.method is None
             and not self.model.shared_host_tables
         )
         scheduler = msgspec.structs.replace(self.scheduler, async_scheduling=on)
@@ -329,11 +321,10 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
 
 def _check_async_scheduling(config: EngineConfig) -> None:
     """Settings that read sampled token values on the host before the next step can launch."""
-    if config.speculative.method is not None and config.parallel.tensor_parallel_size > 1:
+    if config.speculative.method is not None:
         raise ValueError(
-            f"async_scheduling does not support speculative decoding under tensor parallelism "
-            f"yet (method={config.speculative.method!r}, tensor_parallel_size="
-            f"{config.parallel.tensor_parallel_size})"
+            f"async_scheduling does not support speculative decoding yet (method="
+            f"{config.speculative.method!r}): proposers need the sampled tokens on the host"
         )
     if config.model.shared_host_tables:
         raise ValueError(

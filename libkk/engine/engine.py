@@ -34,7 +34,7 @@ from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
 from libkk.models.tokenizer import Tokenizer
-from libkk.runtime.io import FinishedStep, LaunchedStep, ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.spec import build_proposer, runner_speculation
@@ -64,15 +64,13 @@ class InFlightStep:
     """A launched step of async scheduling, until its tokens are appended."""
 
     sched_out: SchedulerOutput
-    launched: LaunchedStep | FinishedStep
-    requests: dict[str, Request]  # the requests it runs, as launched
+    launched: LaunchedStep
+    sampled: dict[str, Request]  # the requests that sample in it, as launched
     start: float  # perf_counter at launch
 
     def live_requests(self, live: dict[str, Request]) -> list[Request]:
         """Its sampling requests that are still unfinished (the same objects)."""
-        return [
-            r for rid in self.launched.request_ids if live.get(rid) is (r := self.requests[rid])
-        ]
+        return [r for rid, r in self.sampled.items() if live.get(rid) is r]
 
 
 class Engine:
@@ -216,10 +214,6 @@ class Engine:
         self.num_steps = 0
         # Async scheduling: the launched step whose tokens are not yet on the host.
         self._in_flight: InFlightStep | None = None
-        # Async scheduling with speculation: a launched step holds its requests (their next
-        # drafts come from its result), so the batch alternates as two cohorts (`_cohort_cap`).
-        self._cohorts = bool(config.scheduler.async_scheduling) and self.proposer is not None
-        self.scheduler.hold_launched = self._cohorts
         # Seconds per start-up phase that ran, in order.
         self.startup_seconds = clock.laps
         logger.info("started in %.1f s: %s", clock.total, clock.summary())
@@ -399,20 +393,11 @@ class Engine:
             )
             runner_out = self._execute_isolated(sched_out, outputs)
         elapsed = time.perf_counter() - start
-        return outputs + self._complete(sched_out, runner_out, elapsed)
-
-    def _complete(
-        self,
-        sched_out: SchedulerOutput,
-        runner_out: ModelRunnerOutput,
-        elapsed: float,
-        held: dict[str, Request] | None = None,
-    ) -> list[RequestOutput]:
-        """A step's result on the host: tokens appended, outputs, and the next drafts."""
-        updated = self.scheduler.update(sched_out, runner_out, elapsed, held)
+        updated = self.scheduler.update(sched_out, runner_out, elapsed)
         if self.adaptive is not None:
             self.adaptive.observe(sched_out, runner_out)
-        outputs = [self._process_tokens(request) for request in updated]
+        for request in updated:
+            outputs.append(self._process_tokens(request))
         if self.proposer is not None:
             self._propose(sched_out, runner_out, updated)
         return outputs
@@ -424,20 +409,15 @@ class Engine:
         back one step() call later than in synchronous mode). A request whose next sampling
         reads token values (penalties, min_tokens) waits for its in-flight token first, as does
         a call with nothing new to launch, so the last step is always finished.
-
-        With speculation the requests of the launched step are held until it is finished (their
-        drafts come from it): the step launched meanwhile is the other requests' (`_cohort_cap`).
         """
         self._log_stalls()
         outputs: list[RequestOutput] = []
         previous = self._in_flight
-        if (
-            previous is not None
-            and not self._cohorts
-            and any(r.reads_token_values() for r in previous.live_requests(self.scheduler.requests))
+        if previous is not None and any(
+            r.reads_token_values() for r in previous.live_requests(self.scheduler.requests)
         ):
             outputs += self._finish_in_flight()
-        sched_out = self.scheduler.schedule(self._cohort_cap())
+        sched_out = self.scheduler.schedule()
         if sched_out.empty:
             return outputs + self._finish_in_flight()
         self.num_steps += 1
@@ -460,21 +440,6 @@ class Engine:
         self._in_flight = launched
         return outputs
 
-    def _cohort_cap(self) -> int | None:
-        """How many requests a step may launch. With speculation under async scheduling, a step
-        launched while none is in flight takes only half of the running requests when they
-        verify at least `async_split_min_tokens` query tokens: the other half launches while
-        it runs, and from then on the two halves alternate, each verified on the device while
-        the host finishes the other's step and drafts for it. A smaller batch runs whole (each
-        half would read the weights again for little compute)."""
-        if not self._cohorts or self._in_flight is not None:
-            return None
-        ready = [r for r in self.scheduler.running if r.is_decode and not r.held]
-        tokens = sum(1 + len(r.spec_token_ids) for r in ready)
-        if len(ready) < 2 or tokens < self.config.speculative.async_split_min_tokens:
-            return None
-        return (len(ready) + 1) // 2
-
     def _finish_in_flight(self) -> list[RequestOutput]:
         step, self._in_flight = self._in_flight, None
         return [] if step is None else self._finish_launched(step)
@@ -484,15 +449,13 @@ class Engine:
         launched = self.runner.launch(sched_out)
         self.scheduler.after_launch(sched_out)
         live = self.scheduler.requests
-        requests = {r.request_id: live[r.request_id] for r in sched_out.requests}
-        return InFlightStep(sched_out, launched, requests, start)
+        sampled = {rid: live[rid] for rid in launched.request_ids}
+        return InFlightStep(sched_out, launched, sampled, start)
 
     def _finish_launched(self, step: InFlightStep) -> list[RequestOutput]:
         runner_out = step.launched.wait()
         elapsed = time.perf_counter() - step.start
-        if self._cohorts:
-            return self._complete(step.sched_out, runner_out, elapsed, held=step.requests)
-        updated = self.scheduler.resolve(step.requests, runner_out, step.sched_out, elapsed)
+        updated = self.scheduler.resolve(step.sampled, runner_out, step.sched_out, elapsed)
         return [self._process_tokens(request) for request in updated]
 
     def _launch_isolated(self, sched_out: SchedulerOutput) -> list[RequestOutput]:

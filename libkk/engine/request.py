@@ -80,9 +80,6 @@ class Request:
         self.num_computed_tokens = 0
         # Sampled by a launched step, not yet known on the host (async scheduling; 0 or 1).
         self.num_pending_tokens = 0
-        # In a launched step whose result it needs before its next one can be scheduled (async
-        # scheduling with speculation: its next drafts come from that result).
-        self.held = False
         # Drafts to verify at the next decode, and their raw draft logits [n, vocab] (None:
         # one-hot drafts).
         self.spec_token_ids: list[int] = []

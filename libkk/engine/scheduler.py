@@ -60,9 +60,6 @@ class Scheduler:
         self.share: float | None = 0.5 if share == "auto" else share
         self.vruntime = {PREFILL: 0.0, DECODE: 0.0}
         self.num_preemptions = 0
-        # Async scheduling with speculation: a launched step's requests are held (not scheduled)
-        # until its result is in, instead of running ahead with a token in flight.
-        self.hold_launched = False
         # Speculative decoding: drafts verified, accepted, request-steps that verified drafts and
         # tokens those steps emitted (before stop truncation).
         self.num_draft_tokens = 0
@@ -98,10 +95,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
-        """The next step: at most `max_requests` requests when given; held requests wait."""
+    def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        room = len(self.requests) if max_requests is None else max_requests
         now = time.monotonic()
         has_decode, has_prefill = False, bool(self.waiting)
         for r in self.running:  # one pass: these properties are read per request and step
@@ -122,11 +117,9 @@ class Scheduler:
 
         # Running requests first, oldest first; the newest are preempted when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < room:
+        while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.held or (
-                step_class is not None and (DECODE if request.is_decode else PREFILL) != step_class
-            ):
+            if step_class is not None and (DECODE if request.is_decode else PREFILL) != step_class:
                 i += 1
                 continue
             num_new = min(request.num_owed_tokens, budget)
@@ -155,17 +148,10 @@ class Scheduler:
         # Then waiting requests, in arrival order (preempted ones were put back in front).
         if step_class != DECODE:
             j = 0  # skips only requests preempted with their last token in flight
-            while (
-                j < len(self.waiting)
-                and budget > 0
-                and len(self.running) < cfg.max_num_seqs
-                and len(scheduled) < room
-            ):
+            while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting[j]
-                if request.reaches_length_in_flight or request.held:
-                    # finishes when its token arrives (recomputing it would be wasted); or
-                    # preempted in a launched step, whose result it must not meet once re-admitted
-                    j += 1
+                if request.reaches_length_in_flight:
+                    j += 1  # finishes when its token arrives: recomputing it would be wasted
                     continue
                 hit_blocks, num_hit_tokens = [], 0
                 if request.num_computed_tokens == 0:
@@ -245,26 +231,15 @@ class Scheduler:
         out.preempted_request_ids.append(request.request_id)
 
     def update(
-        self,
-        sched_out: SchedulerOutput,
-        runner_out: ModelRunnerOutput,
-        elapsed: float,
-        held: dict[str, Request] | None = None,
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, elapsed: float
     ) -> list[Request]:
         """Advances computed counts, appends sampled tokens, finishes requests on stop tokens or
-        length. Returns the requests that received tokens (finished ones included). `held`: the
-        step's requests as launched, when it was launched holding them (`hold_launched`); they
-        are released, and a result for one that finished or was preempted since is dropped."""
+        length. Returns the requests that received tokens (finished ones included)."""
         self._charge(sched_out, elapsed)
         now = time.monotonic()
         updated: list[Request] = []
         for scheduled in sched_out.requests:
             request = self.requests.get(scheduled.request_id)
-            if held is not None:
-                launched = held[scheduled.request_id]
-                launched.held = False
-                if request is not launched:
-                    continue  # finished since (a new request may reuse the id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             new_tokens = runner_out.sampled_token_ids.get(request.request_id)
@@ -294,13 +269,9 @@ class Scheduler:
     # ---- async scheduling -----------------------------------------------------------------
 
     def after_launch(self, sched_out: SchedulerOutput) -> None:
-        """Advances the counts of a launched step whose tokens are still in flight; with
-        `hold_launched`, holds its requests instead until `update` gets the step's result."""
+        """Advances the counts of a launched step whose tokens are still in flight."""
         for scheduled in sched_out.requests:
             request = self.requests[scheduled.request_id]
-            if self.hold_launched:
-                request.held = True
-                continue
             request.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.sampling is not None:
                 request.num_pending_tokens += 1

@@ -122,12 +122,6 @@ class LogprobTensors:
         return result
 
 
-def accepted_run(row: list[int]) -> list[int]:
-    """The tokens of one verified row ([1 + K] with -1 padding): the accepted drafts and the
-    target's token."""
-    return row[: row.index(-1)] if -1 in row else row
-
-
 @dataclass
 class LaunchedStep:
     """A step enqueued on the device whose sampled ids are on their way to the host (async
@@ -135,55 +129,23 @@ class LaunchedStep:
 
     # The requests that sample this step, in the order of `token_ids`.
     request_ids: list[str]
-    # On the host (pinned on CUDA), valid once `copied` completed: [num_sampling_requests] int64,
-    # one token each; or, for a step of a speculating engine, [num_sampling_requests, 1 + K]:
-    # per request the accepted drafts, one target token, then -1 (one token for rows without
-    # drafts).
+    # [num_sampling_requests] int64 on the host (pinned on CUDA), valid once `copied` completed.
     token_ids: torch.Tensor
     # Recorded after the device->host copies; None when the copies are already complete (CPU).
     copied: torch.cuda.Event | None
-    # On the host like token_ids; None when no row asked for logprobs (always for [S, 1 + K]).
+    # On the host like token_ids; None when no row asked for logprobs.
     logprobs: LogprobTensors | None = None
-    # With aux hidden layers: per scheduled request (first position, rows final whatever the
-    # verification accepts, number of drafts, [rows + drafts, len(ids) * hidden] on the device):
-    # ModelRunnerOutput.aux_hidden once the accepted count is known.
-    aux_hidden: dict[str, tuple[int, int, int, torch.Tensor]] = field(default_factory=dict)
 
     def wait(self) -> ModelRunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
         token_ids = self.token_ids.tolist()
         num_rows = len(token_ids)
+        logprobs = (
+            [None] * num_rows if self.logprobs is None else self.logprobs.build(token_ids, num_rows)
+        )
         out = ModelRunnerOutput()
-        if self.token_ids.dim() == 2:
-            for rid, row in zip(self.request_ids, token_ids, strict=True):
-                tokens = accepted_run(row)
-                out.sampled_token_ids[rid] = tokens
-                out.logprobs[rid] = [None] * len(tokens)
-        else:
-            logprobs = (
-                [None] * num_rows
-                if self.logprobs is None
-                else self.logprobs.build(token_ids, num_rows)
-            )
-            for rid, token, lp in zip(self.request_ids, token_ids, logprobs, strict=True):
-                out.sampled_token_ids[rid] = [token]
-                out.logprobs[rid] = [lp]
-        for rid, (start, num_final, num_spec, rows) in self.aux_hidden.items():
-            sampled = out.sampled_token_ids.get(rid)
-            if num_spec and sampled:
-                num_final += len(sampled) - 1  # the accepted drafts
-            out.aux_hidden[rid] = (start, rows[:num_final])
+        for rid, token, lp in zip(self.request_ids, token_ids, logprobs, strict=True):
+            out.sampled_token_ids[rid] = [token]
+            out.logprobs[rid] = [lp]
         return out
-
-
-@dataclass
-class FinishedStep:
-    """A launched step that had to finish on the host before returning (async scheduling of a
-    step whose sampling reads results mid-way): `wait` returns its output at once."""
-
-    request_ids: list[str]
-    output: ModelRunnerOutput
-
-    def wait(self) -> ModelRunnerOutput:
-        return self.output

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -29,13 +28,12 @@ from libkk.layers.quant_moe import QuantFusedMoE, prefill_only_step
 from libkk.runtime.input_batch import InputBatch, build_input_batch, host_to_device
 from libkk.runtime.io import (
     PREFILL_STEP,
-    FinishedStep,
     LaunchedStep,
     LogprobTensors,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from libkk.runtime.verify import shards_cover, verify, verify_from_shards, verify_on_device
+from libkk.runtime.verify import shards_cover, verify, verify_from_shards
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import Sampler, SamplingRow, apply_penalties, sample_random
@@ -301,9 +299,9 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def launch(self, sched_out: SchedulerOutput) -> LaunchedStep | FinishedStep:
-        """Enqueues the step (forward and sampling, or verification of drafts) and the copy of
-        its sampled ids to the host, without waiting for them (async scheduling).
+    def launch(self, sched_out: SchedulerOutput) -> LaunchedStep:
+        """Enqueues the step (forward and sampling) and the copy of its sampled ids to the host,
+        without waiting for them (async scheduling; no drafts, no aux hidden states).
 
         Tokens marked `last_token_in_flight` are read from the previous launched step's device
         ids. On CUDA the host waits only where sampling itself reads device values (rows with
@@ -312,9 +310,7 @@ class ModelRunner:
         batch = build_input_batch(sched_out, self.block_size, self.device)
         self._gather_in_flight_inputs(sched_out, batch)
         with _row_types(sched_out):
-            hidden, aux = self._forward(batch)
-        if any(batch.num_spec) or aux is not None:
-            return self._launch_with_drafts(sched_out, batch, hidden, aux)
+            hidden, _ = self._forward(batch)
         request_ids = batch.sampling_request_ids
         if not request_ids:
             self._in_flight_ids, self._in_flight_rows = None, {}
@@ -341,83 +337,6 @@ class ModelRunner:
             copied = torch.cuda.Event()
             copied.record()
         return LaunchedStep(list(request_ids), host, copied, logprobs)
-
-    def _launch_with_drafts(
-        self,
-        sched_out: SchedulerOutput,
-        batch: InputBatch,
-        hidden: torch.Tensor,
-        aux: torch.Tensor | None,
-    ) -> LaunchedStep | FinishedStep:
-        """`launch` for a step of a speculating engine: rows with drafts verified and the others
-        sampled on the device, their tokens copied back as one [S, 1 + K] tensor; the aux hidden
-        rows are copied out of the graph's buffer (the next replay overwrites it) and cut to the
-        accepted drafts at `wait`. Steps that need host values mid-way (logprobs in a step that
-        verifies drafts, vocab-parallel verification) run as `execute` does."""
-        by_id = {r.request_id: r for r in sched_out.requests}
-        request_ids = batch.sampling_request_ids
-        rows, num_spec = batch.sampling_rows, batch.num_spec
-        if self.vocab_head is not None or (
-            any(num_spec) and any(row.params.logprobs is not None for row in rows)
-        ):
-            out = ModelRunnerOutput()
-            if rows:
-                self._sample_with_drafts(sched_out, batch, hidden, out)
-            if aux is not None:
-                self._collect_aux_hidden(sched_out, batch, aux, out)
-            self._in_flight_ids, self._in_flight_rows = None, {}
-            return FinishedStep(list(request_ids), out)
-        token_ids = torch.empty(0, dtype=torch.int64)
-        logprobs = None
-        if request_ids:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum(1 + n), V]
-            starts = list(itertools.accumulate((n + 1 for n in num_spec), initial=0))
-            spec = [i for i, n in enumerate(num_spec) if n]
-            plain = [i for i, n in enumerate(num_spec) if not n]
-            verified = sampled = None
-            if spec:
-                verified = verify_on_device(  # [R, 1 + K]
-                    [logits[starts[i] : starts[i] + num_spec[i] + 1] for i in spec],
-                    [by_id[request_ids[i]] for i in spec],
-                    synthetic_rates=self.synthetic_rates,
-                )
-            if plain:
-                plain_logits = logits[_to_device([starts[i] for i in plain], logits.device)]
-                plain_rows = [rows[i] for i in plain]
-                sampled = sample_token_ids(plain_logits, plain_rows)  # [P]
-            if verified is None:  # one token per request, as a plain launch: logprobs allowed
-                token_ids = sampled
-                logprobs = logprob_tensors(plain_logits, sampled, plain_rows)
-            elif sampled is None:
-                token_ids = verified
-            else:
-                token_ids = torch.full(
-                    (len(request_ids), verified.shape[1]), -1, dtype=torch.int64, device=self.device
-                )
-                token_ids[_to_device(spec, self.device)] = verified
-                token_ids[_to_device(plain, self.device), 0] = sampled
-        self._in_flight_ids, self._in_flight_rows = None, {}
-        aux_hidden = {}
-        if aux is not None:
-            starts_q = batch.attn_metadata.query_start_loc_cpu
-            aux = aux[: starts_q[-1]].clone()  # the graph's buffer is the next replay's
-            for i, r in enumerate(sched_out.requests):
-                aux_hidden[r.request_id] = (
-                    r.num_computed_tokens,
-                    r.num_new_tokens - r.num_spec_tokens,
-                    r.num_spec_tokens,
-                    aux[starts_q[i] : starts_q[i] + r.num_new_tokens],
-                )
-        copied = None
-        host = token_ids
-        if token_ids.is_cuda:
-            host = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(token_ids, non_blocking=True)
-            if logprobs is not None:
-                logprobs = logprobs.to("cpu", non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return LaunchedStep(list(request_ids), host, copied, logprobs, aux_hidden)
 
     def _gather_in_flight_inputs(self, sched_out: SchedulerOutput, batch: InputBatch) -> None:
         """Replaces placeholder input ids with the previous launched step's sampled ids, on the

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
 from libkk.runtime.input_batch import host_to_device
-from libkk.runtime.io import ScheduledRequest, accepted_run
+from libkk.runtime.io import ScheduledRequest
 from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
 from libkk.sample.sampler import SamplingRow, TokenLogprobs, _logprobs
@@ -47,42 +47,6 @@ def verify(
 ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
     """Per request: the accepted drafts then one target token, with their logprobs (None where
     the request asked for none)."""
-    out, rows = _verified(logits, requests, synthetic_rates)
-    device = out.device
-    results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
-    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
-        tokens = accepted_run(row)
-        lps: list[TokenLogprobs | None] = [None] * len(tokens)
-        if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
-            lps = _logprobs(
-                logits[i][: len(tokens)],
-                torch.tensor(tokens, dtype=torch.int64, device=device),
-                rows[i][: len(tokens)],
-            )
-        results.append((tokens, lps))
-    return results
-
-
-def verify_on_device(
-    logits: Sequence[Tensor],  # per request [1 + n, vocab] raw target logits
-    requests: Sequence[ScheduledRequest],
-    *,
-    synthetic_rates: Sequence[float] | None = None,
-) -> Tensor:
-    """`verify`'s tokens without logprobs, left on the device for the caller to copy when it
-    chooses: [R, K+1] int64, per request its accepted drafts, one target token, then -1
-    (`accepted_run` reads a row). Reads nothing back on the host unless a row's sampling
-    filters do (top-k / top-p / min-p)."""
-    return _verified(logits, requests, synthetic_rates)[0]
-
-
-def _verified(
-    logits: Sequence[Tensor],
-    requests: Sequence[ScheduledRequest],
-    synthetic_rates: Sequence[float] | None,
-) -> tuple[Tensor, list[list[SamplingRow]]]:
-    """The verified tokens [R, K+1] on the device, and the per-position sampling rows built for
-    them (empty where every row takes the raw argmax)."""
     device = logits[0].device
     k = max(r.num_spec_tokens for r in requests)
     vocab = logits[0].shape[-1]
@@ -126,7 +90,20 @@ def _verified(
             num_draft,
             check_ranges=False,  # built here: num_draft <= K, temperatures 0 or 1
         )
-    return out, rows
+
+    results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
+    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
+        # the accepted drafts, one target token, then -1 padding
+        tokens = row[: row.index(-1)] if -1 in row else row
+        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
+            lps = _logprobs(
+                logits[i][: len(tokens)],
+                torch.tensor(tokens, dtype=torch.int64, device=device),
+                rows[i][: len(tokens)],
+            )
+        results.append((tokens, lps))
+    return results
 
 
 def _step_inputs(

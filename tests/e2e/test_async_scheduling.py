@@ -186,7 +186,7 @@ def test_id_reused_while_the_aborted_requests_token_is_in_flight(tiny_llama_dir,
         for _ in range(3):
             for o in engine.step():
                 outs[o.request_id].append(o)
-        assert engine._in_flight is not None and "x" in engine._in_flight.requests
+        assert engine._in_flight is not None and "x" in engine._in_flight.sampled
         aborted = engine.abort_request("x")
         add("x", PROMPTS[2])
         while engine.has_unfinished_requests:
@@ -268,8 +268,8 @@ def test_penalties_wait_for_the_token_in_flight(tiny_llama_dir):
         scheduled = []
         schedule = s.engine.scheduler.schedule
 
-        def record(max_requests=None):
-            out = schedule(max_requests)
+        def record():
+            out = schedule()
             scheduled.extend(out.requests)
             return out
 
@@ -282,13 +282,8 @@ def test_penalties_wait_for_the_token_in_flight(tiny_llama_dir):
 def test_config_errors():
     assert EngineConfig.from_settings(async_scheduling=True).scheduler.async_scheduling is True
     assert EngineConfig().scheduler.async_scheduling == "auto"
-    spec = {"method": "ngram"}
-    config = EngineConfig.from_settings(async_scheduling=True, speculative=spec)
-    assert config.scheduler.async_scheduling is True
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        EngineConfig.from_settings(
-            async_scheduling=True, speculative=spec, tensor_parallel_size=2
-        )
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        EngineConfig.from_settings(async_scheduling=True, speculative={"method": "ngram"})
     with pytest.raises(ConfigError, match="shared_host_tables"):
         EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
@@ -302,8 +297,7 @@ def test_auto_is_on_for_cuda_when_nothing_needs_the_tokens_first():
 
     assert decided("cuda") is True
     assert decided("cpu") is False
-    assert decided("cuda", speculative={"method": "ngram"}) is True
-    assert decided("cuda", speculative={"method": "ngram"}, tensor_parallel_size=2) is False
+    assert decided("cuda", speculative={"method": "ngram"}) is False
     assert decided("cuda", shared_host_tables=True) is False
     assert decided("cpu", async_scheduling=True) is True  # an explicit choice stays
     assert decided("cuda", async_scheduling=False) is False
