@@ -22,7 +22,7 @@ from torch import nn
 
 from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
 from libkk.layers.forward_context import AttentionMetadata, get_forward_context
-from libkk.layers.linear import records_grad
+from libkk.layers.linear import takes_kernels
 from libkk.layers.registry import LayerRegistry
 
 
@@ -95,7 +95,7 @@ class QKNormRope(NamedTuple):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) normalized and rotated: one kernel on CUDA, the torch reference elsewhere."""
-        kernel = q.is_cuda and not records_grad(q, k, self.q_norm.weight, self.k_norm.weight)
+        kernel = takes_kernels(q, k, self.q_norm.weight, self.k_norm.weight)
         norm_rope = qk_norm_rope if kernel else qk_norm_rope_ref
         return norm_rope(q, k, *self.args(positions))
 

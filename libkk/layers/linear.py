@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     only decode-sized inputs take it. One row is doubled so it takes the gemm path too. Traced
     code (torch.compile) takes F.linear: its token count may be unbacked, not to branch on.
     """
-    if x.is_cuda and not records_grad(x, weight, bias):
+    if takes_kernels(x, weight, bias):
         return gemv_linear(x, weight, bias)
     if (
         x.device.type != "cpu"
@@ -90,9 +90,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-def records_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on these tensors (libkk's kernels have no backward)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def takes_kernels(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether libkk's CUDA kernels serve an op on `x` and `params`: on CUDA, unless autograd
+    records it (training a draft model; the kernels have no backward)."""
+    if not x.is_cuda:
+        return False
+    tensors = (x, *params)
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 def new_param(

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from libkk.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from libkk.layers.linear import records_grad
+from libkk.layers.linear import takes_kernels
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # CUDA: one kernel; CPU: the op's torch reference (HF's order of casts and adds). With a
         # residual, x may be [..., terms, hidden] (an MoE layer's top-k outputs): summed first.
-        kernel = x.is_cuda and not records_grad(x, residual, self.weight)
+        kernel = takes_kernels(x, residual, self.weight)
         if residual is None:
             return (rms_norm if kernel else rms_norm_ref)(x, self.weight, self.eps)
         return (add_rms_norm if kernel else add_rms_norm_ref)(x, residual, self.weight, self.eps)

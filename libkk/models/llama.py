@@ -30,7 +30,7 @@ from libkk.layers.linear import (
     RowParallelLinear,
     Slices,
     default_weight_loader,
-    records_grad,
+    takes_kernels,
 )
 from libkk.layers.norm import RMSNorm
 from libkk.layers.rotary import RotaryEmbedding
@@ -48,7 +48,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         w, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
-        if x.is_cuda and not records_grad(x, w, bias):  # product and activation in one kernel
+        if takes_kernels(x, w, bias):  # product and activation in one kernel
             act = gate_up_silu(x, w, bias)
         else:
             act = self.act_fn(self.gate_up_proj(x))  # [num_tokens, intermediate]

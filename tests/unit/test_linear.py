@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from libkk.layers.linear import linear, records_grad
+from libkk.layers.linear import linear, takes_kernels
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 300])
@@ -27,15 +27,23 @@ def test_linear_other_ranks_fall_back():
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
-def test_records_grad_only_while_autograd_records():
-    w = torch.randn(4, 3, requires_grad=True)
-    x = torch.randn(2, 3)
-    assert records_grad(x, w, None)
-    assert not records_grad(x, None)
-    with torch.no_grad():
-        assert not records_grad(x, w)
+def test_cpu_tensors_never_take_kernels():
+    assert not takes_kernels(torch.randn(2, 3), torch.randn(4, 3))
     with torch.inference_mode():
-        assert not records_grad(torch.randn(2, 3), torch.randn(4, 3))
+        assert not takes_kernels(torch.randn(2, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_take_kernels_unless_autograd_records():
+    w = torch.randn(4, 3, device="cuda", requires_grad=True)
+    x = torch.randn(2, 3, device="cuda")
+    assert not takes_kernels(x, w, None)
+    assert takes_kernels(x, None)
+    with torch.no_grad():
+        assert takes_kernels(x, w)
+    with torch.inference_mode():
+        assert takes_kernels(torch.randn(2, 3, device="cuda"), torch.randn(4, 3, device="cuda"))
 
 
 @pytest.mark.gpu
