@@ -191,6 +191,11 @@ class Tokenizer:
         return self._backend.id_to_token(self._check_ids([token_id])[0])
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        vocab = self._vocab_size
+        # The common case first (a detokenizer's few-token window of the engine's own samples):
+        # a list of plain ints in range passes in one sweep.
+        if type(ids) is list and all(type(v) is int and 0 <= v < vocab for v in ids):
+            return ids
         try:
             if isinstance(ids, (str, bytes, Mapping)):
                 raise TypeError
