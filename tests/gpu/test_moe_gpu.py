@@ -291,9 +291,15 @@ def test_tiny_model_greedy_packed_equals_dequantized(tiny_moe_dirs, fmt):
 def test_tiny_model_bf16_logits_as_close_as_the_dequantized_model(tiny_moe_dirs):
     """In bf16, the packed experts' logits are as close to the fp32 logits of the same weights
     as the dequantized experts' bf16 logits are: the kernels add no error beyond bf16's own
-    (they form the same bf16 weights and round where the unfused path rounds)."""
+    (they form the same bf16 weights and round where the unfused path rounds).
+
+    Measured over every token of several prompts: in this small random model a bf16 rounding
+    sends a few tokens to other experts than fp32 does (2 of 9 tokens per layer, both paths),
+    and which tokens flip is chance, so one token's error (or a 2-token prompt's) can differ by
+    2x between two equally exact paths."""
     path = tiny_moe_dirs["nvfp4"]
-    prompts = [[5, 17, 300, 99, 42, 7, 1000], [3, 4]]
+    prompts = [[5, 17, 300, 99, 42, 7, 1000], [3, 4], [11, 12, 13, 14, 15, 16, 17, 18],
+               [900, 800, 700, 600, 500, 400], [2, 1500, 31, 77, 123]]  # fmt: skip
 
     def logits(dtype: torch.dtype, load_on: str) -> list[torch.Tensor]:
         model, _ = load_model(path, dtype, torch.device(load_on), progress=False)
@@ -306,8 +312,11 @@ def test_tiny_model_bf16_logits_as_close_as_the_dequantized_model(tiny_moe_dirs)
     def error(x: torch.Tensor, want: torch.Tensor) -> float:
         return ((x.float() - want).norm() / want.norm()).item()
 
-    for p, d, w in zip(packed, dequantized, exact, strict=True):
-        assert error(p, w) <= 1.5 * error(d, w) + 1e-3, (error(p, w), error(d, w))
+    packed, dequantized, exact = (torch.cat(x) for x in (packed, dequantized, exact))
+    assert error(packed, exact) <= 1.5 * error(dequantized, exact) + 1e-3, (
+        error(packed, exact),
+        error(dequantized, exact),
+    )
 
 
 @pytest.mark.parametrize("compile_", [False, True])
