@@ -210,3 +210,17 @@ class DecodeGraphs:
         if rows is None:
             return hidden[:t], None if stashed is None else stashed[:t]
         return hidden[rows], None if stashed is None else stashed[rows]
+
+    def replay_padding(self, size: int, q: int) -> torch.Tensor:
+        """Replays the (q, size) graph on padding rows alone (token 0 at position 0, writing and
+        reading the null block) and returns its output [size * q, hidden]: the graph's device
+        work with no request touched, for cost profiles."""
+        self._layout(q)
+        t = size * q
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.slot_mapping[:t].zero_()
+        self.seq_lens[:size].fill_(q)
+        self.block_table[:size].zero_()
+        self.graphs[q, size].replay()
+        return self.outputs[q, size]

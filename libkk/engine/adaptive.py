@@ -7,21 +7,24 @@ to it; after the step, `observe` feeds each request's verified and accepted coun
 estimator. Trimming only decides how many drafts are verified, from features of the draft
 distributions (never of the drawn tokens), so the output keeps the target's distribution.
 
-The step costs are profiled once at start-up (`profile`): the target forward over n tokens of a
-request in the null block (verify cost vs tokens), and the proposer drafting for r stand-in
-requests whose context is in place (draft cost vs requests; their state is removed afterwards).
+The step costs are profiled once at start-up (`profile_costs`): the target forward over n tokens
+of a request in the null block (verify cost vs tokens, for steps no graph runs), every captured
+decode/verification graph replayed on padding rows with its logits (verify cost per graph), and
+the proposer drafting for r stand-in requests whose context is in place (draft cost vs
+requests; their state is removed afterwards).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from libkk.engine.request import Request
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
 from libkk.spec.adaptive import AdaptiveVerifier, CostModel, context_features, proposal_features
@@ -107,7 +110,7 @@ def _counts(limit: int) -> list[int]:
 # outside it).
 @torch.no_grad()
 def profile_costs(
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    runner: ModelRunner,
     proposer: Proposer,
     *,
     num_speculative_tokens: int,
@@ -118,9 +121,11 @@ def profile_costs(
     device: torch.device,
     dtype: torch.dtype,
 ) -> CostModel:
-    """Start-up cost tables: the target forward over n tokens, the proposer over r requests."""
+    """Start-up cost tables: the target forward over n tokens, each captured graph of up to
+    64 requests (replay and logits), the proposer over r requests."""
     k = num_speculative_tokens
     max_requests = min(max_num_seqs, 64)
+    forward = runner.forward
     max_tokens = max_requests * (1 + k)
     context = list(range(1, 17))  # stand-in prompt; ids past the vocabulary are never drawn
     context = [t % vocab_size for t in context]
@@ -161,6 +166,8 @@ def profile_costs(
             verify_step,
             _counts(max_requests),
             _counts(max_tokens),
+            graph_step=runner.verify_on_graph,
+            graph_shapes=[(n, q) for n, q in runner.graph_shapes() if n <= max_requests],
             warmup=1,
             repeats=3,
             synchronize=sync,

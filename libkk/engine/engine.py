@@ -186,7 +186,7 @@ class Engine:
         self.adaptive: AdaptiveDrafts | None = None
         if self.proposer is not None and spec.adaptive_verification:
             cost = profile_costs(
-                self.runner.forward,
+                self.runner,
                 self.proposer,
                 num_speculative_tokens=spec.num_speculative_tokens,
                 max_num_seqs=config.scheduler.max_num_seqs,

@@ -247,6 +247,17 @@ class ModelRunner:
             )
         return hidden[:n]
 
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """(size, query length) of every captured decode/verification graph."""
+        return [(size, q) for q, size in self.graphs.graphs] if self.graphs is not None else []
+
+    @torch.inference_mode()
+    def verify_on_graph(self, size: int, q: int) -> None:
+        """The device work of a verification step the (q, size) graph runs, on padding rows:
+        the replay and the logits of its size * q rows (for adaptive verification's costs)."""
+        assert self.graphs is not None
+        self.model.compute_logits(self.graphs.replay_padding(size, q))
+
     def set_speculation(
         self, aux_hidden_layers: tuple[int, ...] = (), synthetic_rates: list[float] | None = None
     ) -> None:

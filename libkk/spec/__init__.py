@@ -143,8 +143,13 @@ def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> Runne
     synthetic = spec.rejection_sample_method == "synthetic"
     return RunnerSpeculation(
         aux_layers=tuple(proposer.target_layer_ids),
-        # Verification batches (up to 1 + K tokens per request) replay graphs too.
-        query_lens=(1, 1 + spec.num_speculative_tokens),
+        # Verification batches (up to 1 + K tokens per request) replay graphs too; adaptive
+        # verification shortens them, so every length gets a graph.
+        query_lens=(
+            tuple(range(1, 2 + spec.num_speculative_tokens))
+            if spec.adaptive_verification
+            else (1, 1 + spec.num_speculative_tokens)
+        ),
         synthetic_rates=spec.synthetic_acceptance_rates if synthetic else None,
     )
 

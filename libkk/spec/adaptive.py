@@ -15,6 +15,12 @@ tokens(n) / cost(n). It is solved exactly: the cost depends on n only through m 
 s_{r,k} never grows with k, so for each m the best n takes the m largest survivals of the batch
 (a prefix of every row); the best m is found by trying every m (`optimal_num_draft`).
 
+Graphs. A step of R requests that a captured CUDA graph runs costs what its graph costs: every
+request is padded to the graph's query length q (the smallest captured one >= 1 + max_r n_r)
+and R to the graph's size, so verify_ms is then `CostModel.graph(size, q)`, measured per graph
+at start-up. For a given q every n_r <= q - 1 costs the same, so the best n under graphs verifies
+min(proposed_r, q - 1) drafts of every request, for the best q.
+
 Lossless. The choice is a function of draft-distribution features (`draft_feature`), the
 estimator's state and the cost tables, never of the drawn draft tokens or the target's logits, so
 verifying a shorter prefix leaves the output distribution exactly the target's (each emitted
@@ -41,10 +47,11 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated
 
 import msgspec
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -89,14 +96,17 @@ class _Curve:
         self._y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
 
     def __call__(self, x: Tensor) -> Tensor:
-        x = x.double()
+        return torch.from_numpy(self.array(x.detach().double().cpu().numpy()))
+
+    def array(self, x: np.ndarray) -> np.ndarray:
+        """The curve at every value of a float64 array."""
         if len(self.points) == 1:
-            return self._y.expand(x.shape).clone()
+            return np.full(x.shape, self.points[0][1])
+        xs, ys = self._x.numpy(), self._y.numpy()
         # Segment i spans points i, i+1; ends extrapolate with their segment's slope.
-        # NOTE: a comparison count, not searchsorted: a few points, and it is ~100x faster here.
-        i = (x[..., None] >= self._x[1:-1]).sum(dim=-1)
-        x0, x1, y0, y1 = self._x[i], self._x[i + 1], self._y[i], self._y[i + 1]
-        return (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).clamp(min=0.0)
+        i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
     def at(self, x: float) -> float:
         """The same for one value, in plain Python."""
@@ -109,16 +119,30 @@ class _Curve:
 
 
 class CostModel:
-    """Step cost in ms: draft_ms(num_requests) + verify_ms(num_tokens), from measured points."""
+    """Step cost in ms: draft_ms(num_requests) + verify_ms(num_tokens), from measured points;
+    for steps a captured graph runs, its measured time instead of verify_ms."""
 
     def __init__(
         self,
         draft_ms: Sequence[tuple[float, float]],
         verify_ms: Sequence[tuple[float, float]],
+        graph_ms: Mapping[tuple[int, int], float] | None = None,
     ) -> None:
-        """draft_ms: (requests, ms) points; verify_ms: (tokens in the target forward, ms)."""
+        """draft_ms: (requests, ms) points; verify_ms: (tokens in the target forward, ms);
+        graph_ms: (size, query length) -> ms of the verification forward replayed from that
+        captured graph, for every size and query length captured (a full grid)."""
         self._draft = _Curve("draft_ms", draft_ms)
         self._verify = _Curve("verify_ms", verify_ms)
+        self._graph = {(int(n), int(q)): float(ms) for (n, q), ms in (graph_ms or {}).items()}
+        self.graph_sizes = sorted({n for n, _ in self._graph})
+        self.graph_query_lens = sorted({q for _, q in self._graph})
+        for (n, q), ms in self._graph.items():
+            if n < 1 or q < 1 or not math.isfinite(ms) or ms < 0:
+                raise ConfigError(f"graph_ms: ({n}, {q}) -> {ms} is not a shape and a time >= 0")
+        if len(self._graph) != len(self.graph_sizes) * len(self.graph_query_lens):
+            raise ConfigError(
+                "graph_ms must hold every (size, query length) of its sizes and lengths"
+            )
 
     @property
     def draft_points(self) -> list[tuple[float, float]]:
@@ -128,15 +152,26 @@ class CostModel:
     def verify_points(self) -> list[tuple[float, float]]:
         return list(self._verify.points)
 
-    def draft(self, num_requests: int | Tensor) -> float | Tensor:
+    def draft(self, num_requests: int | Tensor | np.ndarray) -> float | Tensor | np.ndarray:
         return _apply(self._draft, num_requests)
 
-    def verify(self, num_tokens: int | Tensor) -> float | Tensor:
+    def verify(self, num_tokens: int | Tensor | np.ndarray) -> float | Tensor | np.ndarray:
         return _apply(self._verify, num_tokens)
 
     def step(self, num_requests: int, num_tokens: int | Tensor) -> float | Tensor:
         """draft(num_requests) + verify(num_tokens)."""
         return self.draft(num_requests) + self.verify(num_tokens)
+
+    def graph(self, size: int, query_len: int) -> float:
+        """ms of the verification forward replayed from the graph of that shape."""
+        return self._graph[size, query_len]
+
+    def graph_shape(self, num_requests: int, max_query_len: int) -> tuple[int, int] | None:
+        """(size, query length) of the graph that runs a uniform step of these requests, the
+        longest asking max_query_len tokens; None when no graph is that large."""
+        size = next((n for n in self.graph_sizes if n >= num_requests), None)
+        q = next((q for q in self.graph_query_lens if q >= max_query_len), None)
+        return None if size is None or q is None else (size, q)
 
     @classmethod
     def profile(
@@ -146,31 +181,36 @@ class CostModel:
         request_counts: Sequence[int],
         token_counts: Sequence[int],
         *,
+        graph_step: Callable[[int, int], object] | None = None,
+        graph_shapes: Sequence[tuple[int, int]] = (),
         warmup: int = 2,
         repeats: int = 5,
         synchronize: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> CostModel:
-        """Time draft_step(num_requests) and verify_step(num_tokens) at each count.
+        """Time draft_step(num_requests) and verify_step(num_tokens) at each count, and
+        graph_step(size, query_len) at each of `graph_shapes` (the captured graphs).
 
         Each point is the median of `repeats` timed calls after `warmup` untimed ones.
         `synchronize` (e.g. torch.cuda.synchronize) runs before the clock is read, so that
         asynchronous device work is counted.
         """
+        if graph_shapes and graph_step is None:
+            raise ConfigError("graph_shapes need a graph_step to time them")
         if warmup < 0 or repeats < 1:
             raise ConfigError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
         if not request_counts or not token_counts:
             raise ConfigError("profile needs at least one request count and one token count")
 
-        def timed(fn: Callable[[int], object], n: int) -> float:
+        def timed(fn: Callable[..., object], *n: int) -> float:
             for _ in range(warmup):
-                fn(n)
+                fn(*n)
             samples = []
             for _ in range(repeats):
                 if synchronize is not None:
                     synchronize()
                 start = clock()
-                fn(n)
+                fn(*n)
                 if synchronize is not None:
                     synchronize()
                 samples.append((clock() - start) * 1e3)
@@ -180,12 +220,15 @@ class CostModel:
         return cls(
             draft_ms=[(n, timed(draft_step, n)) for n in request_counts],
             verify_ms=[(n, timed(verify_step, n)) for n in token_counts],
+            graph_ms={(n, q): timed(graph_step, n, q) for n, q in graph_shapes},
         )
 
 
-def _apply(curve: _Curve, x: int | float | Tensor) -> float | Tensor:
+def _apply(curve: _Curve, x: int | float | Tensor | np.ndarray) -> float | Tensor | np.ndarray:
     if isinstance(x, Tensor):
         return curve(x)
+    if isinstance(x, np.ndarray):
+        return curve.array(x.astype(np.float64))
     return curve.at(float(x))
 
 
@@ -198,12 +241,27 @@ def objective(survival: Tensor, num_draft: Tensor, cost: CostModel, other_tokens
 
     survival: [R, K] prod_{j<=k} p_j; num_draft: [R] drafts verified per request.
     """
-    num_rows, k = survival.shape
-    slots = torch.arange(k)
-    taken = slots[None, :] < num_draft.cpu()[:, None]  # [R, K]
-    tokens = num_rows + float((survival.double().cpu() * taken).sum())
-    verify_tokens = num_rows + other_tokens + int(num_draft.sum())
-    return tokens / float(cost.step(num_rows, verify_tokens))
+    s = survival.detach().double().cpu().numpy()
+    n = num_draft.detach().cpu().long().numpy()
+    num_rows, k = s.shape
+    taken = np.arange(k)[None, :] < n[:, None]  # [R, K]
+    tokens = num_rows + float((s * taken).sum())
+    shape = _graph_shape(cost, num_rows, other_tokens, 1 + int(n.max(initial=0)))
+    if shape is not None:
+        verify_ms = cost.graph(*shape)
+    else:
+        verify_ms = float(cost.verify(num_rows + other_tokens + int(n.sum())))
+    return tokens / (float(cost.draft(num_rows)) + verify_ms)
+
+
+def _graph_shape(
+    cost: CostModel, num_rows: int, other_tokens: int, max_query_len: int
+) -> tuple[int, int] | None:
+    """The graph that runs the step, if one does: only uniform steps (no other work in the
+    forward) of at most the largest graph's requests."""
+    if other_tokens or not num_rows or not cost.graph_sizes:
+        return None
+    return cost.graph_shape(num_rows, max_query_len)
 
 
 def optimal_num_draft(
@@ -218,29 +276,62 @@ def optimal_num_draft(
 
     survival: [R, K] non-increasing along K; num_proposed: [R] drafts available per request;
     max_verify_tokens: a cap on R + other_tokens + sum num_draft (the step's token budget).
+    A step that graphs run (the cost model has graphs of R requests and 1 + K tokens; no other
+    tokens) takes the best uniform cap; under a budget, the best cap that fits it.
     """
-    s = survival.detach().double().cpu()
+    # NOTE: numpy, not torch: a few dozen operations on arrays of ~R * K values, once a step.
+    s = survival.detach().double().cpu().numpy()
+    avail = num_proposed.detach().cpu().long().numpy()
     num_rows, k = s.shape
-    avail = num_proposed.detach().cpu().long()
     if num_rows == 0 or k == 0:
         return torch.zeros(num_rows, dtype=torch.int64)
-    slots = torch.arange(k)
-    usable = slots[None, :] < avail[:, None]  # [R, K]
+    usable = np.arange(k)[None, :] < avail[:, None]  # [R, K]
+    if _graph_shape(cost, num_rows, other_tokens, 1) is not None:
+        chosen = _best_uniform(np.where(usable, s, 0.0), avail, cost, max_verify_tokens)
+    else:
+        chosen = _best_ragged(s, usable, cost, other_tokens, max_verify_tokens)
+    return torch.from_numpy(chosen)
+
+
+def _best_ragged(
+    s: np.ndarray, usable: np.ndarray, cost: CostModel, other_tokens: int, budget: int | None
+) -> np.ndarray:
+    """Cost by token count: the m largest survivals of the batch for the best m."""
+    num_rows = s.shape[0]
     # NOTE: order by survival, ties to the lower slot: flatten slot-major before a stable sort,
     # so the m best always form a prefix of every row.
-    values = torch.where(usable, s, -1.0).t().reshape(-1)  # [K * R], slot-major
-    order = torch.sort(values, descending=True, stable=True).indices
-    count = int(usable.sum())
-    order = order[:count]
-    best_sum = torch.cat([torch.zeros(1, dtype=torch.float64), values[order].cumsum(0)])  # [M+1]
-    m = torch.arange(count + 1)
-    base = num_rows + other_tokens
-    ratio = (num_rows + best_sum) / cost.step(num_rows, (base + m).double())  # [M+1]
-    if max_verify_tokens is not None:
-        ratio = torch.where(base + m <= max_verify_tokens, ratio, -math.inf)
+    values = np.where(usable, s, -1.0).T.reshape(-1)  # [K * R], slot-major
+    order = np.argsort(-values, kind="stable")[: int(usable.sum())]
+    best_sum = np.concatenate([[0.0], np.cumsum(values[order])])  # [M + 1]
+    tokens = num_rows + other_tokens + np.arange(order.size + 1)
+    step_ms = float(cost.draft(num_rows)) + cost.verify(tokens)
+    ratio = (num_rows + best_sum) / step_ms
+    if budget is not None:
+        ratio = np.where(tokens <= budget, ratio, -np.inf)
     best_m = int(ratio.argmax())  # first max: the fewest drafts among equals
-    chosen_rows = order[:best_m] % num_rows
-    return torch.bincount(chosen_rows, minlength=num_rows).long()
+    return np.bincount(order[:best_m] % num_rows, minlength=num_rows).astype(np.int64)
+
+
+def _best_uniform(
+    s: np.ndarray, avail: np.ndarray, cost: CostModel, budget: int | None
+) -> np.ndarray:
+    """Cost by graph: min(proposed, q - 1) drafts of every request for the best captured q."""
+    num_rows, k = s.shape
+    prefix = np.zeros((num_rows, k + 1))
+    np.cumsum(s, axis=1, out=prefix[:, 1:])  # prefix[r, n]: expected accepted of n drafts
+    rows = np.arange(num_rows)
+    draft_ms = float(cost.draft(num_rows))
+    best, best_ratio = np.zeros(num_rows, dtype=np.int64), -math.inf
+    for q in cost.graph_query_lens:  # ascending: the first best has the fewest drafts
+        n = np.minimum(avail, q - 1)
+        if budget is not None and n.any() and num_rows + int(n.sum()) > budget:
+            continue
+        shape = cost.graph_shape(num_rows, 1 + int(n.max()))
+        assert shape is not None  # a graph of q tokens exists and 1 + max n <= q
+        ratio = (num_rows + float(prefix[rows, n].sum())) / (draft_ms + cost.graph(*shape))
+        if ratio > best_ratio:
+            best, best_ratio = n.astype(np.int64), ratio
+    return best
 
 
 def proposal_features(
@@ -322,36 +413,34 @@ class AdaptiveVerifier:
         survival = self.estimator.survival(features)  # [R, K]
         num_rows, k = survival.shape
         if num_proposed is None:
-            avail = torch.full((num_rows,), k, dtype=torch.int64)
+            avail = np.full(num_rows, k, dtype=np.int64)
         else:
-            avail = _int_rows("num_proposed", num_proposed, num_rows)
-            if bool(((avail < 0) | (avail > k)).any()):
+            avail = _int_rows("num_proposed", num_proposed, num_rows).numpy()
+            if ((avail < 0) | (avail > k)).any():
                 raise SpeculationInputError(
                     f"num_proposed must lie in [0, {k}], got {avail.tolist()}"
                 )
         chosen = optimal_num_draft(
             survival,
-            avail,
+            torch.from_numpy(avail),
             self.cost,
             other_tokens=other_tokens,
             max_verify_tokens=max_verify_tokens,
-        )
+        ).numpy()
         self.explored_last_step = False
-        slots = torch.arange(k)
+        slots = np.arange(k)
         # Per slot: some request would verify it next / some request verifies it.
         next_here = (avail[:, None] > slots) & (chosen[:, None] == slots)  # [R, K]
-        verified = (chosen[:, None] > slots).any(dim=0).tolist()  # [K]
-        starved = [
-            a and not v for a, v in zip(next_here.any(dim=0).tolist(), verified, strict=True)
-        ]
+        verified = (chosen[:, None] > slots).any(axis=0)  # [K]
+        starved = next_here.any(axis=0) & ~verified
         explore_after = self.config.explore_after
         probe = next((i for i in range(k) if starved[i] and self._idle[i] >= explore_after), None)
         if probe is not None:
-            rows = next_here[:, probe].nonzero()[:, 0]
+            rows = np.flatnonzero(next_here[:, probe])
             if max_verify_tokens is not None:
                 room = max_verify_tokens - (num_rows + other_tokens + int(chosen.sum()))
                 rows = rows[: max(room, 0)]
-            if rows.numel():
+            if rows.size:
                 chosen[rows] += 1
                 verified[probe] = True
                 starved[probe] = False
@@ -362,7 +451,7 @@ class AdaptiveVerifier:
                 self._idle[slot] += 1
             elif verified[slot]:
                 self._idle[slot] = 0
-        return chosen
+        return torch.from_numpy(chosen)
 
     def observe(self, features: Tensor, num_draft: Tensor, num_accepted: Tensor) -> bool:
         """Feed one step's results to the estimator (see AcceptanceEstimator.observe)."""

@@ -45,6 +45,7 @@ import math
 from typing import Annotated
 
 import msgspec
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -149,7 +150,10 @@ class AcceptanceEstimator:
         self._s_r = torch.zeros(k, dtype=torch.float64)
         self._n = torch.zeros(k, dtype=torch.float64)
 
-    def _features(self, features: Tensor) -> Tensor:
+    # NOTE: the per-step methods compute in numpy on views of the float64 state: a few dozen
+    # operations on ~R * K values, where torch's per-call overhead would dominate.
+
+    def _features(self, features: Tensor) -> np.ndarray:
         if features.dim() != 2 or features.shape[1] > self.num_positions:
             raise SpeculationInputError(
                 f"features must be [R, K] with K <= {self.num_positions}, "
@@ -157,22 +161,25 @@ class AcceptanceEstimator:
             )
         if not features.is_floating_point():
             raise SpeculationInputError(f"features must be floating point, got {features.dtype}")
-        f = features.detach().to("cpu", torch.float64)
-        if bool(torch.isnan(f).any()):
+        f = features.detach().to("cpu", torch.float64).numpy()
+        if np.isnan(f).any():
             raise SpeculationInputError("features contain NaN")
-        return f.clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
+        return np.clip(f, -FEATURE_CLAMP, FEATURE_CLAMP)
+
+    def _predict(self, f: np.ndarray) -> np.ndarray:
+        z = self.slope * f + self.intercepts.numpy()[: f.shape[1]]
+        return 1.0 / (1.0 + np.exp(-z))
 
     def predict(self, features: Tensor) -> Tensor:
         """p_k for each request and slot.  # [R, K] float64 (CPU)
 
         features: [R, K] (K <= num_positions; slot k of every row uses intercept b_k).
         """
-        f = self._features(features)
-        return torch.sigmoid(self.slope * f + self.intercepts[: f.shape[1]])
+        return torch.from_numpy(self._predict(self._features(features)))
 
     def survival(self, features: Tensor) -> Tensor:
         """Chance that slots 0..k are all accepted: prod_{j<=k} p_j.  # [R, K] float64 (CPU)"""
-        return self.predict(features).cumprod(dim=-1)
+        return torch.from_numpy(np.cumprod(self._predict(self._features(features)), axis=-1))
 
     def observe(self, features: Tensor, num_draft: Tensor, num_accepted: Tensor) -> bool:
         """Record one step's verification results; returns whether it triggered a refit.
@@ -182,31 +189,33 @@ class AcceptanceEstimator:
         """
         f = self._features(features)
         num_rows, k = f.shape
-        nd = _int_rows("num_draft", num_draft, num_rows)
-        na = _int_rows("num_accepted", num_accepted, num_rows)
-        if bool(((nd < 0) | (nd > k)).any()):
+        nd = _int_rows("num_draft", num_draft, num_rows).numpy()
+        na = _int_rows("num_accepted", num_accepted, num_rows).numpy()
+        if ((nd < 0) | (nd > k)).any():
             raise SpeculationInputError(f"num_draft must lie in [0, {k}], got {nd.tolist()}")
-        if bool(((na < 0) | (na > nd)).any()):
+        if ((na < 0) | (na > nd)).any():
             raise SpeculationInputError(
                 f"num_accepted must lie in [0, num_draft], got {na.tolist()} for {nd.tolist()}"
             )
-        slots = torch.arange(k)
+        slots = np.arange(k)
         # Judged slots: the accepted ones and the first rejection; later slots are unobserved.
-        observed = slots[None, :] < torch.minimum(na + 1, nd)[:, None]  # [R, K]
-        if not bool(observed.any()):
+        observed = slots[None, :] < np.minimum(na + 1, nd)[:, None]  # [R, K]
+        if not observed.any():
             return False
-        y = (slots[None, :] < na[:, None]).double()  # [R, K]
-        p = torch.sigmoid(self.slope * f + self.intercepts[:k])  # [R, K]
-        m = observed.double()
-        w = p * (1.0 - p) * m
-        r = (y - p) * m
-        self._s_ff[:k] += (w * f * f).sum(0)
-        self._s_f[:k] += (w * f).sum(0)
-        self._s_w[:k] += w.sum(0)
-        self._s_rf[:k] += (r * f).sum(0)
-        self._s_r[:k] += r.sum(0)
-        self._n[:k] += m.sum(0)
-        self.total_observations[:k] += observed.sum(0)
+        y = slots[None, :] < na[:, None]  # [R, K]
+        p = self._predict(f)  # [R, K]
+        w = np.where(observed, p * (1.0 - p), 0.0)
+        r = np.where(observed, y - p, 0.0)
+        for total, add in (
+            (self._s_ff, (w * f * f).sum(0)),
+            (self._s_f, (w * f).sum(0)),
+            (self._s_w, w.sum(0)),
+            (self._s_rf, (r * f).sum(0)),
+            (self._s_r, r.sum(0)),
+            (self._n, observed.sum(0)),
+            (self.total_observations, observed.sum(0)),
+        ):
+            total.numpy()[:k] += add
         self.observed_steps += 1
         if self.observed_steps % self.config.refit_interval == 0:
             self.refit()

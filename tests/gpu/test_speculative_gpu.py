@@ -114,3 +114,40 @@ def test_seeded_speculation_batch_invariant_on_cuda(dirs):
     ) as s:  # fmt: skip
         alone = [s.generate(p, params).token_ids for p in _prompts()[:4]]
     assert alone == together[:4]
+
+
+def test_adaptive_verification_graphs_and_their_costs(dirs):
+    """With adaptive verification every verification length 1 .. 1 + K has graphs, each graph's
+    cost is profiled at start-up, and replaying a graph on padding rows (the profile) between
+    steps leaves the requests in flight alone: the output equals plain greedy."""
+    from libkk import SamplingParams, Session
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(dirs["cyclic"], params)
+    with Session(
+        str(dirs["cyclic"]), device="cuda", dtype="float32", max_num_seqs=16, max_model_len=512,
+        torch_compile=False, progress=False, method="ngram", num_speculative_tokens=4,
+        adaptive_verification=True,
+    ) as s:  # fmt: skip
+        runner, adaptive = s.engine.runner, s.engine.adaptive
+        assert adaptive is not None
+        shapes = runner.graph_shapes()
+        assert sorted({q for _, q in shapes}) == [1, 2, 3, 4, 5]
+        cost = adaptive.verifier.cost
+        assert cost.graph_query_lens == [1, 2, 3, 4, 5]
+        assert cost.graph_sizes == sorted({n for n, _ in shapes})
+        assert cost.graph(16, 5) > 0
+        rids = [s.submit(p, params) for p in _prompts()]
+        done = {}
+        for step in range(400):
+            if step == 3:
+                for n, q in shapes:
+                    runner.verify_on_graph(n, q)
+            for out in s.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            if len(done) == len(rids):
+                break
+        stats = s.stats()
+    assert [done[r] for r in rids] == plain
+    assert stats["spec_num_draft_tokens"] > 0

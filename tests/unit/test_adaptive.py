@@ -93,6 +93,19 @@ def test_profile_times_each_count() -> None:
     assert syncs[0] == 4 * 3 * 2  # before and after every timed call
     with pytest.raises(ConfigError, match="repeats"):
         CostModel.profile(draft, verify, [1], [1], repeats=0)
+    graphs: list[tuple[int, int]] = []
+
+    def graph(n: int, q: int) -> None:
+        graphs.append((n, q))
+        now[0] += 0.001 * n * q
+
+    cost = CostModel.profile(
+        draft, verify, [1], [8], graph_step=graph, graph_shapes=[(1, 1), (1, 8), (4, 1), (4, 8)],
+        warmup=0, repeats=1, clock=lambda: now[0],
+    )  # fmt: skip
+    assert graphs == [(1, 1), (1, 8), (4, 1), (4, 8)]
+    assert cost.graph(4, 8) == pytest.approx(32.0) and cost.graph(1, 1) == pytest.approx(1.0)
+    assert cost.graph_sizes == [1, 4] and cost.graph_query_lens == [1, 8]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +163,61 @@ def test_choice_maximizes_the_objective_against_brute_force() -> None:
         got = objective(survival, chosen, cost, other)
         want = _brute_force(survival, avail.tolist(), cost, other, budget)
         assert got == pytest.approx(want, rel=1e-12), (trial, chosen.tolist())
+
+
+def _graph_cost(g: torch.Generator, sizes: list[int], query_lens: list[int]) -> CostModel:
+    """Random graph times, rising with the padded tokens (not necessarily linearly)."""
+    graph_ms = {}
+    for n in sizes:
+        for q in query_lens:
+            graph_ms[n, q] = n * q * (0.5 + float(torch.rand(1, generator=g))) + 3.0
+    return CostModel(
+        draft_ms=[(1, float(torch.rand(1, generator=g)))],
+        verify_ms=[(1, 1.0), (64, 100.0)],  # never used: every step is a graph's
+        graph_ms=graph_ms,
+    )
+
+
+def test_choice_under_graphs_maximizes_the_objective_against_brute_force() -> None:
+    g = torch.Generator().manual_seed(3)
+    for trial in range(150):
+        num_rows = int(torch.randint(1, 4, (1,), generator=g))
+        k = int(torch.randint(1, 5, (1,), generator=g))
+        p = torch.rand(num_rows, k, generator=g, dtype=torch.float64)
+        if trial % 5 == 0:
+            p = (p * 4).round() / 4
+        survival = p.cumprod(dim=-1)
+        avail = torch.randint(0, k + 1, (num_rows,), generator=g)
+        # Graphs of 1 and 1 + K tokens always (as the runner captures), some lengths between.
+        middle = [q for q in range(2, k + 1) if bool(torch.rand(1, generator=g) < 0.5)]
+        cost = _graph_cost(g, [1, 2, 4], [1, *middle, k + 1])
+        chosen = optimal_num_draft(survival, avail, cost)
+        assert bool((chosen <= avail).all()) and bool((chosen >= 0).all())
+        got = objective(survival, chosen, cost)
+        want = _brute_force(survival, avail.tolist(), cost)
+        assert got == pytest.approx(want, rel=1e-12), (trial, chosen.tolist())
+
+
+def test_choice_under_graphs_pays_for_the_padded_shape() -> None:
+    # Three requests pad to the graph of 4, whose q = 3 costs 9 ms against 6 for q = 2: a second
+    # draft of any one request costs the q = 3 graph for all of them. Costed by token count the
+    # same survivals would take every draft.
+    cost = CostModel(
+        draft_ms=[(1, 0.0)],
+        verify_ms=[(0, 4.0), (100, 14.0)],
+        graph_ms={(n, q): 4.0 + 0.25 * n * q + 2.0 * (q == 3) for n in (2, 4) for q in (1, 2, 3)},
+    )
+    survival = torch.tensor([[0.9, 0.85]] + [[0.6, 0.3]] * 2, dtype=torch.float64)
+    assert cost.graph_shape(3, 2) == (4, 2) and cost.graph_shape(5, 2) is None
+    # q = 2: (3 + 2.1) / 6 = 0.85 beats q = 3: (3 + 3.55) / 9 = 0.73 and q = 1: 3 / 5
+    assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [1, 1, 1]
+    ragged = optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost, other_tokens=1)
+    assert ragged.tolist() == [2, 2, 2]  # a prefill chunk in the step: no graph runs it
+    # More requests than the largest graph: costed by token count, each request on its own.
+    wide = torch.tensor([[0.9, 0.85]] + [[0.6, 0.1]] * 4, dtype=torch.float64)
+    assert optimal_num_draft(wide, torch.tensor([2] * 5), cost).tolist() == [2, 1, 1, 1, 1]
+    with pytest.raises(ConfigError, match="every \\(size, query length\\)"):
+        CostModel(draft_ms=[(1, 0.0)], verify_ms=[(1, 1.0)], graph_ms={(1, 1): 1.0, (2, 2): 1.0})
 
 
 def test_choice_verifies_likely_slots_and_skips_unlikely_ones() -> None:
