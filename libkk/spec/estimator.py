@@ -21,14 +21,25 @@ current parameters (p = sigmoid(w f + b_k), W = p (1 - p), r = y - p), to its sl
 
     S_ff = sum W f^2,  S_f = sum W f,  S_w = sum W,  S_rf = sum r f,  S_r = sum r,  n
 
-Every `refit_interval` steps that observed anything, one Newton step is solved from the sums of
-the window since the last refit. Its Hessian in (w, b_0 .. b_{K-1}) is an arrowhead matrix (a dense
-first row/column, diagonal elsewhere), so with a ridge lambda on the step it solves in closed form
-(Schur complement on w):
+After a window of `first_refit_interval` steps that observed anything, one Newton step is
+solved from the window's sums; each later window is twice as long as the one before, up to
+`refit_interval` steps, except after a step that the trust region (below) had to cut: the fit is
+far off then (a new session, or drafts that changed), and the next window is the first length
+again, so the fit gets there in tens of steps, not hundreds. Its Hessian in (w, b_0 .. b_{K-1}) is an arrowhead matrix (a dense
+first row/column, diagonal elsewhere), so it solves in closed form (Schur complement on w), with
+a ridge lambda_w = lambda + slope_ridge * sum_k S_w[k] on the slope and lambda on the intercepts:
 
-    D_k = S_w[k] + lambda,  c_k = S_f[k]
-    dw  = (sum_k S_rf[k] - sum_k c_k S_r[k] / D_k) / (sum_k S_ff[k] + lambda - sum_k c_k^2 / D_k)
-    db_k = (S_r[k] - c_k dw) / D_k
+    c_k = S_f[k], sums over the slots with S_w[k] > 0:
+    dw  = sum_k (S_rf[k] - c_k S_r[k] / S_w[k]) / (sum_k (S_ff[k] - c_k^2 / S_w[k]) + lambda_w)
+    db_k = (S_r[k] - c_k dw) / (S_w[k] + lambda)
+
+dw's numerator and denominator are the window's within-slot covariance of residual and feature
+and within-slot feature variance (weighted). When the features do not vary within a slot
+(one-hot drafts, or a drafter equally confident at every step), w and b_k cannot be told apart
+and dw is 0 exactly; a ridge on the intercepts in dw's formula would instead move w by an amount
+the ridge alone decides, which later windows swing back. lambda_w, proportional to the window's
+weight, keeps a barely varying feature from driving w, and leaves a slope the data shows
+(variance well above slope_ridge) almost unchanged.
 
 The step is then made safe: dw is damped by N / (N + 50) (N = observations in the window), clamped
 to |dw| <= 1 (trust region) and w to [0, 4]; the intercepts are re-solved for the dw actually taken
@@ -59,10 +70,13 @@ FEATURE_CLAMP = 40.0
 
 
 class EstimatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # Observed steps between refits.
+    # Observed steps between refits, once the windows have doubled up from the first one.
     refit_interval: Annotated[int, msgspec.Meta(ge=1)] = 100
+    first_refit_interval: Annotated[int, msgspec.Meta(ge=1)] = 10
     # Ridge added to the Newton system's diagonal (keeps unobserved slots' steps at 0).
     ridge: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-3
+    # The slope's extra ridge, per unit of the window's total weight (see the module docstring).
+    slope_ridge: Annotated[float, msgspec.Meta(ge=0.0)] = 1e-2
     # A refit's step is scaled by n / (n + damping) for n observations behind it.
     damping: Annotated[float, msgspec.Meta(ge=0.0)] = 50.0
     # Largest change of any parameter in one refit.
@@ -139,6 +153,8 @@ class AcceptanceEstimator:
         self.num_refits = 0
         self.observed_steps = 0  # steps that contributed at least one label
         self.total_observations = torch.zeros(num_positions, dtype=torch.int64)
+        self._window = min(c.first_refit_interval, c.refit_interval)  # observed steps
+        self._next_refit = self._window
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -217,10 +233,10 @@ class AcceptanceEstimator:
         ):
             total.numpy()[:k] += add
         self.observed_steps += 1
-        if self.observed_steps % self.config.refit_interval == 0:
-            self.refit()
-            return True
-        return False
+        if self.observed_steps < self._next_refit:
+            return False
+        self.refit()
+        return True
 
     def refit(self) -> None:
         """One damped, trust-region-bounded Newton step from the window's sums; clears them."""
@@ -228,25 +244,39 @@ class AcceptanceEstimator:
         n = self._n
         if float(n.sum()) == 0.0:
             return
+        steps = []  # each parameter's step before the trust region clamps it
         lam = c.ridge
         diag = self._s_w + lam  # [K]
         cross = self._s_f  # [K]
-        schur = float(self._s_ff.sum()) + lam - float((cross * cross / diag).sum())
-        rhs = float(self._s_rf.sum()) - float((cross * self._s_r / diag).sum())
-        # NOTE: the ridge makes the system positive definite, so schur > 0 up to rounding.
-        dw = rhs / max(schur, lam * 1e-6)
+        # The slope step with the intercepts free: within-slot terms of the slots with weight.
+        seen = self._s_w > 0
+        s_w = torch.where(seen, self._s_w, 1.0)
+        variance = float((self._s_ff - torch.where(seen, cross * cross / s_w, 0.0)).sum())
+        covariance = float((self._s_rf - torch.where(seen, cross * self._s_r / s_w, 0.0)).sum())
+        lam_w = lam + c.slope_ridge * float(self._s_w.sum())
+        # NOTE: the variance is >= 0 up to rounding, so the denominator is about lam_w or more.
+        dw = covariance / max(variance + lam_w, lam * 1e-6)
         total = float(n.sum())
         dw *= total / (total + c.damping)
+        steps.append(abs(dw))
         dw = max(-c.trust_region, min(c.trust_region, dw))
         new_slope = max(0.0, min(c.max_slope, self.slope + dw))
         dw = new_slope - self.slope
         # Intercepts re-solved for the slope step actually taken.
         db = (self._s_r - cross * dw) / diag  # [K]
         db = db * (n / (n + c.damping))
+        steps.append(float(db.abs().max()))
         db = db.clamp(-c.trust_region, c.trust_region)
         self.slope = new_slope
         self.intercepts = (self.intercepts + db).clamp(-c.max_intercept, c.max_intercept)
         self.num_refits += 1
+        # The next window: back to the first length while steps hit the trust region (the fit
+        # is far off: a new session, or the drafts changed), else twice as long, up to
+        # refit_interval.
+        first = min(c.first_refit_interval, c.refit_interval)
+        far = max(steps) > c.trust_region
+        self._window = first if far else min(2 * self._window, c.refit_interval)
+        self._next_refit = self.observed_steps + self._window
         self._reset_window()
 
 
