@@ -47,7 +47,9 @@ class DecodeGraphs:
     """Captured forwards for uniform batches of up to `max(capture_sizes)` requests.
 
     A uniform batch gives every request the same query length q: 1 for plain decode, 1 + K when
-    every request verifies K drafts. One graph is captured per (q, size) for q in `query_lens`.
+    every request verifies K drafts. One graph is captured per (q, size) for q in `query_lens`,
+    except that lengths between the shortest and the longest are captured only for sizes up to
+    `middle_lens_max_size` (when given): larger batches pad to the longest.
     `stash`, if given, returns a tensor the forward leaves beside its output (the hidden states
     of chosen layers for a drafter); its per-graph instance is kept and returned by `run`.
     """
@@ -61,6 +63,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         query_lens: Sequence[int] = (1,),
+        middle_lens_max_size: int | None = None,
         stash: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         if not capture_sizes:
@@ -71,6 +74,8 @@ class DecodeGraphs:
         self.stash = stash
         self.sizes = sorted(set(capture_sizes))
         self.query_lens = sorted(set(query_lens))
+        # Lengths between the shortest and the longest: graphs of up to this many requests only.
+        self.middle_lens_max_size = middle_lens_max_size
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
         self.block_size = block_size
@@ -117,7 +122,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        keys = [(q, size) for q in reversed(self.query_lens) for size in reversed(self.sizes)]
+        keys = [
+            (q, size)
+            for q in reversed(self.query_lens)
+            for size in reversed(self.sizes)
+            if self._captures(q, size)
+        ]
         keys.sort(key=lambda k: -k[0] * k[1])  # largest first: smaller graphs reuse its memory
         lockstep(f"decode graph plan (q, size): {keys}")
         for q, size in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
@@ -140,13 +150,22 @@ class DecodeGraphs:
             self.graphs[q, size] = graph
         torch.cuda.synchronize()
 
-    def graph_query_len(self, max_query_len: int) -> int | None:
-        """The smallest captured query length >= max_query_len (None: none is)."""
-        return next((q for q in self.query_lens if q >= max_query_len), None)
+    def _captures(self, q: int, size: int) -> bool:
+        limit = self.middle_lens_max_size
+        ends = (self.query_lens[0], self.query_lens[-1])
+        return q in ends or limit is None or size <= limit
+
+    def graph_query_len(self, max_query_len: int, num_reqs: int) -> int | None:
+        """The smallest query length >= max_query_len captured for num_reqs requests (padded to
+        a captured size; None: none is)."""
+        size = self.pad_to[min(num_reqs, self.max_size)]
+        return next(
+            (q for q in self.query_lens if q >= max_query_len and self._captures(q, size)), None
+        )
 
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        q = self.graph_query_len(metadata.max_query_len)
         n = metadata.num_reqs
+        q = self.graph_query_len(metadata.max_query_len, n)
         if (
             not self.graphs
             or q is None
@@ -169,7 +188,7 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [num_tokens, hidden], the stash's rows or None) of the replayed graph."""
         n = metadata.num_reqs
-        q = self.graph_query_len(metadata.max_query_len)
+        q = self.graph_query_len(metadata.max_query_len, n)
         assert q is not None
         size = self.pad_to[n]
         t = input_ids.shape[0]

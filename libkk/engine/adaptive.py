@@ -27,7 +27,13 @@ from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.adaptive import AdaptiveVerifier, CostModel, context_features, proposal_features
+from libkk.spec.adaptive import (
+    MAX_PROFILED_REQUESTS,
+    AdaptiveVerifier,
+    CostModel,
+    context_features,
+    proposal_features,
+)
 from libkk.spec.base import Proposer, ProposeRequest
 from libkk.spec.estimator import AcceptanceEstimator
 
@@ -122,9 +128,9 @@ def profile_costs(
     dtype: torch.dtype,
 ) -> CostModel:
     """Start-up cost tables: the target forward over n tokens, each captured graph of up to
-    64 requests (replay and logits), the proposer over r requests."""
+    MAX_PROFILED_REQUESTS requests (replay and logits), the proposer over r requests."""
     k = num_speculative_tokens
-    max_requests = min(max_num_seqs, 64)
+    max_requests = min(max_num_seqs, MAX_PROFILED_REQUESTS)
     forward = runner.forward
     max_tokens = max_requests * (1 + k)
     context = list(range(1, 17))  # stand-in prompt; ids past the vocabulary are never drawn

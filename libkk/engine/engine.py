@@ -177,6 +177,7 @@ class Engine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             progress=config.progress,
             query_lens=runner_spec.query_lens,
+            middle_lens_max_size=runner_spec.middle_lens_max_size,
             stash_aux_hidden=bool(aux_layers),
         )
         clock.add(self.runner.startup_seconds)

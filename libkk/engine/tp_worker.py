@@ -142,6 +142,7 @@ def _worker_main(
             max_model_len=plan["max_len"],
             progress=False,
             query_lens=spec.query_lens,
+            middle_lens_max_size=spec.middle_lens_max_size,
             stash_aux_hidden=bool(spec.aux_layers),
         )
         if proposer is not None:

@@ -62,15 +62,19 @@ class ModelRunner:
         max_model_len: int = 1,
         progress: bool = False,
         query_lens: Sequence[int] = (1,),
+        middle_lens_max_size: int | None = None,
         stash_aux_hidden: bool = False,
         max_num_batched_tokens: int | None = None,
     ) -> None:
         """query_lens: tokens per request of the uniform batches to capture (1, and 1 + K to
-        verify K drafts); stash_aux_hidden: graphs keep the model's aux hidden states;
+        verify K drafts); middle_lens_max_size: the lengths between those are captured for
+        batches of up to this many requests only; stash_aux_hidden: graphs keep the model's aux
+        hidden states;
         max_num_batched_tokens: the largest step (None: the scheduler's default), up to which
         packed MoE tiles are tuned."""
         self.model = model
         self.query_lens = tuple(query_lens)
+        self.middle_lens_max_size = middle_lens_max_size
         self.stash_aux_hidden = stash_aux_hidden
         self.block_size = block_size
         self.device = device
@@ -142,6 +146,7 @@ class ModelRunner:
             "capture_sizes": sizes,
             "max_blocks_per_seq": max_blocks_per_seq,
             "query_lens": list(self.query_lens),
+            "middle_lens_max_size": self.middle_lens_max_size,
             "stash_aux_hidden": self.stash_aux_hidden,
             # Each tensor-parallel rank compiles its own shard shapes: one cache entry per rank.
             "tensor_parallel": [get_tp_rank(), get_tp_size()],
@@ -189,6 +194,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             query_lens=self.query_lens,
+            middle_lens_max_size=self.middle_lens_max_size,
             stash=(lambda: self.model.aux_hidden_states) if self.stash_aux_hidden else None,
         )
         start = time.perf_counter()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from libkk.errors import ConfigError
+from libkk.spec.adaptive import MAX_PROFILED_REQUESTS
 
 if TYPE_CHECKING:
     from libkk.config import EngineConfig
@@ -133,6 +134,8 @@ class RunnerSpeculation:
 
     aux_layers: tuple[int, ...] = ()  # target layers whose hidden states each step returns
     query_lens: tuple[int, ...] = (1,)  # tokens per request of the captured graphs
+    # Lengths between the shortest and the longest: graphs of up to this many requests only.
+    middle_lens_max_size: int | None = None
     synthetic_rates: list[float] | None = None  # benchmarks: accept at these rates
 
 
@@ -150,6 +153,7 @@ def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> Runne
             if spec.adaptive_verification
             else (1, 1 + spec.num_speculative_tokens)
         ),
+        middle_lens_max_size=MAX_PROFILED_REQUESTS,
         synthetic_rates=spec.synthetic_acceptance_rates if synthetic else None,
     )
 

@@ -69,6 +69,11 @@ from libkk.spec.estimator import (
 SYNTHETIC_POSITION_SALT = 3 * 2**30
 
 
+# Requests per step up to which start-up profiles time every captured graph, and the runner
+# captures the verification lengths between 1 and 1 + K (larger steps pad to 1 + K).
+MAX_PROFILED_REQUESTS = 64
+
+
 class AdaptiveConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Consecutive steps with a starved slot (drafts available, none verified) before a probe.
     explore_after: Annotated[int, msgspec.Meta(ge=1)] = 8
