@@ -25,9 +25,11 @@ After a window of `first_refit_interval` steps that observed anything, one Newto
 solved from the window's sums; each later window is twice as long as the one before, up to
 `refit_interval` steps, except after a step that the trust region (below) had to cut: the fit is
 far off then (a new session, or drafts that changed), and the next window is the first length
-again, so the fit gets there in tens of steps, not hundreds. Its Hessian in (w, b_0 .. b_{K-1}) is an arrowhead matrix (a dense
-first row/column, diagonal elsewhere), so it solves in closed form (Schur complement on w), with
-a ridge lambda_w = lambda + slope_ridge * sum_k S_w[k] on the slope and lambda on the intercepts:
+again, so the fit gets there in tens of steps, not hundreds.
+
+The step's Hessian in (w, b_0 .. b_{K-1}) is an arrowhead matrix (a dense first row/column,
+diagonal elsewhere), so it solves in closed form (Schur complement on w), with a ridge
+lambda_w = lambda + slope_ridge * sum_k S_w[k] on the slope and lambda on the intercepts:
 
     c_k = S_f[k], sums over the slots with S_w[k] > 0:
     dw  = sum_k (S_rf[k] - c_k S_r[k] / S_w[k]) / (sum_k (S_ff[k] - c_k^2 / S_w[k]) + lambda_w)
@@ -36,10 +38,10 @@ a ridge lambda_w = lambda + slope_ridge * sum_k S_w[k] on the slope and lambda o
 dw's numerator and denominator are the window's within-slot covariance of residual and feature
 and within-slot feature variance (weighted). When the features do not vary within a slot
 (one-hot drafts, or a drafter equally confident at every step), w and b_k cannot be told apart
-and dw is 0 exactly; a ridge on the intercepts in dw's formula would instead move w by an amount
-the ridge alone decides, which later windows swing back. lambda_w, proportional to the window's
-weight, keeps a barely varying feature from driving w, and leaves a slope the data shows
-(variance well above slope_ridge) almost unchanged.
+and dw is 0 (up to rounding); a ridge on the intercepts in dw's formula would instead move w by
+an amount the ridge alone decides, which later windows swing back. lambda_w, proportional to the
+window's weight, keeps a barely varying feature from driving w, and leaves a slope the data
+shows (variance well above slope_ridge) almost unchanged.
 
 The step is then made safe: dw is damped by N / (N + 50) (N = observations in the window), clamped
 to |dw| <= 1 (trust region) and w to [0, 4]; the intercepts are re-solved for the dw actually taken
