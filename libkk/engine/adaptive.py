@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from libkk.engine.request import Request
@@ -97,6 +98,15 @@ class AdaptiveDrafts:
             accepted.append(len(tokens) - 1)  # the accepted drafts, then one target token
         if rows:
             self.verifier.observe(torch.stack(rows), torch.tensor(verified), torch.tensor(accepted))
+
+    def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        """Feeds a decode step's wall time (schedule to proposal) to the cost model's overhead;
+        steps with prompt tokens are left out."""
+        requests = sched_out.requests
+        if any(r.num_new_tokens != 1 + r.num_spec_tokens for r in requests):
+            return
+        drafts = np.fromiter((r.num_spec_tokens for r in requests), np.int64, len(requests))
+        self.verifier.cost.observe_step(drafts, seconds * 1e3)
 
     def forget(self, request_id: str) -> None:
         self._features.pop(request_id, None)

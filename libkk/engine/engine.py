@@ -372,6 +372,7 @@ class Engine:
         """Runs one scheduling step; returns an output for every request that advanced."""
         if self.config.scheduler.async_scheduling:
             return self._step_async()
+        step_start = time.perf_counter()
         self._log_stalls()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
@@ -401,6 +402,8 @@ class Engine:
             outputs.append(self._process_tokens(request))
         if self.proposer is not None:
             self._propose(sched_out, runner_out, updated)
+        if self.adaptive is not None:
+            self.adaptive.record_step(sched_out, time.perf_counter() - step_start)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:

@@ -8,9 +8,10 @@ s_{r,k} = prod_{j<=k} p_{r,j} the estimated chance that slots 0..k are all accep
 
 tokens (every request emits one target token plus its accepted drafts), at the cost
 
-    cost(n) = draft_ms(R) + verify_ms(R + other_tokens + sum_r n_r)
+    cost(n) = draft_ms(R) + verify_ms(R + other_tokens + sum_r n_r) + overhead_ms
 
-from start-up profiles (`CostModel`). `AdaptiveVerifier.choose` returns the n maximizing
+from start-up profiles (`CostModel`), overhead_ms being the rest of a step's wall time (host work
+the device waits for), learned from the steps that ran (`CostModel.observe_step`). `AdaptiveVerifier.choose` returns the n maximizing
 tokens(n) / cost(n). It is solved exactly: the cost depends on n only through m = sum_r n_r, and
 s_{r,k} never grows with k, so for each m the best n takes the m largest survivals of the batch
 (a prefix of every row); the best m is found by trying every m (`optimal_num_draft`).
@@ -138,6 +139,8 @@ class CostModel:
         captured graph, for every size and query length captured (a full grid)."""
         self._draft = _Curve("draft_ms", draft_ms)
         self._verify = _Curve("verify_ms", verify_ms)
+        # A step's wall time beyond the tables (the host work the device waits for), learned.
+        self.overhead_ms = 0.0
         self._graph = {(int(n), int(q)): float(ms) for (n, q), ms in (graph_ms or {}).items()}
         self.graph_sizes = sorted({n for n, _ in self._graph})
         self.graph_query_lens = sorted({q for _, q in self._graph})
@@ -166,6 +169,22 @@ class CostModel:
     def step(self, num_requests: int, num_tokens: int | Tensor) -> float | Tensor:
         """draft(num_requests) + verify(num_tokens)."""
         return self.draft(num_requests) + self.verify(num_tokens)
+
+    def step_ms(self, num_requests: int, num_draft: np.ndarray, other_tokens: int = 0) -> float:
+        """The tables' time of a step (no overhead): its graph's when one runs it."""
+        shape = _graph_shape(self, num_requests, other_tokens, 1 + int(num_draft.max(initial=0)))
+        if shape is not None:
+            verify_ms = self.graph(*shape)
+        else:
+            verify_ms = float(self.verify(num_requests + other_tokens + int(num_draft.sum())))
+        return float(self.draft(num_requests)) + verify_ms
+
+    def observe_step(self, num_draft: np.ndarray, wall_ms: float, weight: float = 0.1) -> None:
+        """Moves overhead_ms toward what a decode step (num_draft [R] drafts verified per
+        request, no prefill in it) took beyond the tables, by an exponential average."""
+        if num_draft.size:
+            extra = max(wall_ms - self.step_ms(num_draft.size, num_draft), 0.0)
+            self.overhead_ms += weight * (extra - self.overhead_ms)
 
     def graph(self, size: int, query_len: int) -> float:
         """ms of the verification forward replayed from the graph of that shape."""
@@ -251,12 +270,7 @@ def objective(survival: Tensor, num_draft: Tensor, cost: CostModel, other_tokens
     num_rows, k = s.shape
     taken = np.arange(k)[None, :] < n[:, None]  # [R, K]
     tokens = num_rows + float((s * taken).sum())
-    shape = _graph_shape(cost, num_rows, other_tokens, 1 + int(n.max(initial=0)))
-    if shape is not None:
-        verify_ms = cost.graph(*shape)
-    else:
-        verify_ms = float(cost.verify(num_rows + other_tokens + int(n.sum())))
-    return tokens / (float(cost.draft(num_rows)) + verify_ms)
+    return tokens / (cost.step_ms(num_rows, n, other_tokens) + cost.overhead_ms)
 
 
 def _graph_shape(
@@ -309,7 +323,7 @@ def _best_ragged(
     order = np.argsort(-values, kind="stable")[: int(usable.sum())]
     best_sum = np.concatenate([[0.0], np.cumsum(values[order])])  # [M + 1]
     tokens = num_rows + other_tokens + np.arange(order.size + 1)
-    step_ms = float(cost.draft(num_rows)) + cost.verify(tokens)
+    step_ms = float(cost.draft(num_rows)) + cost.verify(tokens) + cost.overhead_ms
     ratio = (num_rows + best_sum) / step_ms
     if budget is not None:
         ratio = np.where(tokens <= budget, ratio, -np.inf)
@@ -325,7 +339,7 @@ def _best_uniform(
     prefix = np.zeros((num_rows, k + 1))
     np.cumsum(s, axis=1, out=prefix[:, 1:])  # prefix[r, n]: expected accepted of n drafts
     rows = np.arange(num_rows)
-    draft_ms = float(cost.draft(num_rows))
+    fixed_ms = float(cost.draft(num_rows)) + cost.overhead_ms
     best, best_ratio = np.zeros(num_rows, dtype=np.int64), -math.inf
     for q in cost.graph_query_lens:  # ascending: the first best has the fewest drafts
         n = np.minimum(avail, q - 1)
@@ -333,7 +347,7 @@ def _best_uniform(
             continue
         shape = cost.graph_shape(num_rows, 1 + int(n.max()))
         assert shape is not None  # a graph of q tokens exists and 1 + max n <= q
-        ratio = (num_rows + float(prefix[rows, n].sum())) / (draft_ms + cost.graph(*shape))
+        ratio = (num_rows + float(prefix[rows, n].sum())) / (fixed_ms + cost.graph(*shape))
         if ratio > best_ratio:
             best, best_ratio = n.astype(np.int64), ratio
     return best

@@ -401,11 +401,16 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
         assert adaptive is not None
         cost = adaptive.verifier.cost
         assert len(cost.verify_points) > 1 and len(cost.draft_points) > 1  # profiled at start-up
-        adaptive.verifier.cost = CostModel(draft_ms=[(1, 0.0)], verify_ms=[(1, 1.0), (512, 512.0)])
+        # 100 ms a token: more than any step here takes, so no overhead is learned on top.
+        adaptive.verifier.cost = CostModel(
+            draft_ms=[(1, 0.0)], verify_ms=[(1, 100.0), (512, 51200.0)]
+        )
         outs = s.generate(PROMPTS, params)
         stats = s.stats()
         estimator = adaptive.verifier.estimator
+        overhead = adaptive.verifier.cost.overhead_ms
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
+    assert overhead == 0.0
     assert 0 < stats["spec_num_draft_tokens"] < plain["spec_num_draft_tokens"] / 4
     assert estimator.observed_steps > 0 and int(estimator.total_observations.sum()) > 0
     assert not adaptive._features  # every request's entry was observed or forgotten

@@ -150,6 +150,7 @@ def test_choice_maximizes_the_objective_against_brute_force() -> None:
         survival = p.cumprod(dim=-1)
         avail = torch.randint(0, k + 1, (num_rows,), generator=g)
         cost = _random_cost(g)
+        cost.overhead_ms = float(torch.rand(1, generator=g)) * 3 * (trial % 2)
         other = int(torch.randint(0, 3, (1,), generator=g))
         budget = (
             None if trial % 3 else num_rows + other + int(torch.randint(0, 5, (1,), generator=g))
@@ -191,6 +192,7 @@ def test_choice_under_graphs_maximizes_the_objective_against_brute_force() -> No
         # Graphs of 1 and 1 + K tokens always (as the runner captures), some lengths between.
         middle = [q for q in range(2, k + 1) if bool(torch.rand(1, generator=g) < 0.5)]
         cost = _graph_cost(g, [1, 2, 4], [1, *middle, k + 1])
+        cost.overhead_ms = float(torch.rand(1, generator=g)) * 10
         chosen = optimal_num_draft(survival, avail, cost)
         assert bool((chosen <= avail).all()) and bool((chosen >= 0).all())
         got = objective(survival, chosen, cost)
@@ -218,6 +220,39 @@ def test_choice_under_graphs_pays_for_the_padded_shape() -> None:
     assert optimal_num_draft(wide, torch.tensor([2] * 5), cost).tolist() == [2, 1, 1, 1, 1]
     with pytest.raises(ConfigError, match="every \\(size, query length\\)"):
         CostModel(draft_ms=[(1, 0.0)], verify_ms=[(1, 1.0)], graph_ms={(1, 1): 1.0, (2, 2): 1.0})
+
+
+def test_step_overhead_is_learned_and_weighs_for_more_drafts() -> None:
+    from libkk.engine.adaptive import AdaptiveDrafts
+    from libkk.runtime.io import ScheduledRequest, SchedulerOutput
+
+    cost = CostModel(
+        draft_ms=[(1, 0.0)],
+        verify_ms=[(0, 4.0), (100, 14.0)],
+        graph_ms={(n, q): 4.0 + 0.25 * n * q + 2.0 * (q == 3) for n in (2, 4) for q in (1, 2, 3)},
+    )
+    survival = torch.tensor([[0.9, 0.85]] + [[0.6, 0.3]] * 2, dtype=torch.float64)
+    assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [1, 1, 1]
+    adaptive = AdaptiveDrafts(cost, 2, autoregressive_sampling=False)
+
+    def step(drafts: list[int], prompt: bool = False) -> SchedulerOutput:
+        return SchedulerOutput(requests=[
+            ScheduledRequest(f"r{i}", [1] * (1 + n + 5 * prompt), 9, [1], None, [2] * n)
+            for i, n in enumerate(drafts)
+        ])  # fmt: skip
+
+    # Three requests verifying 1 draft each run the (4, 2) graph: 6 ms by the tables. Steps
+    # that took 12 ms teach about 6 ms of overhead (an exponential average); prompt steps and
+    # faster-than-the-tables steps teach nothing beyond 0.
+    for _ in range(60):
+        adaptive.record_step(step([1, 1, 1]), 0.012)
+        adaptive.record_step(step([1, 1, 1], prompt=True), 1.0)
+    assert cost.overhead_ms == pytest.approx(6.0, abs=0.05)
+    # A fixed 6 ms per step makes the q = 3 graph worth it: (3 + 3.55) / 15 > (3 + 2.1) / 12.
+    assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [2, 2, 2]
+    for _ in range(200):
+        adaptive.record_step(step([1, 1, 1]), 0.001)
+    assert cost.overhead_ms < 1e-6
 
 
 def test_choice_verifies_likely_slots_and_skips_unlikely_ones() -> None:
