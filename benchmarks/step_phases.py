@@ -9,7 +9,8 @@ length 3.5), synchronous as the engine runs speculation.
 
 Phases: schedule, input batch, forward launch, LM head launch, the logits and verification or
 sampling (which hold the wait for the device), update, outputs (detokenize), propose; under
-async scheduling also the launch and the previous step's finish (which waits). With
+async scheduling also the launch and the previous step's finish (which waits); with `--adaptive`
+adaptive verification's own host work (trim, observe, record_step). With
 `--split-verify`, verification first waits for the device on its own (a synchronize, timed as
 "verify: device wait"), so its own host work shows apart ("verify: rest"); that moves the launch
 of verification's small kernels after the forward, so the step gets slower by their launch time.
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--split-verify", action="store_true")
+    ap.add_argument("--adaptive", action="store_true", help="spec with adaptive verification")
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     args = ap.parse_args()
 
@@ -54,6 +56,7 @@ def main() -> None:
             num_speculative_tokens=K,
             rejection_sample_method="synthetic",
             synthetic_acceptance_rates=[rate_for_length(3.5)],
+            adaptive_verification=args.adaptive,
         )
     params = [
         SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True, seed=i)
@@ -106,6 +109,9 @@ def main() -> None:
         timed(model_runner, "build_input_batch", "input batch")
         timed(engine, "_launch", "launch (async)")
         timed(engine, "_finish_in_flight", "finish previous (async, waits)")
+        if engine.adaptive is not None:
+            for name in ("trim", "observe", "record_step"):
+                timed(engine.adaptive, name, f"adaptive {name}")
         if args.split_verify and device == "cuda":
             verify = model_runner.verify
 
