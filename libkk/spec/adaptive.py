@@ -172,7 +172,7 @@ class CostModel:
 
     def step_ms(self, num_requests: int, num_draft: np.ndarray, other_tokens: int = 0) -> float:
         """The tables' time of a step (no overhead): its graph's when one runs it."""
-        shape = _graph_shape(self, num_requests, other_tokens, 1 + int(num_draft.max(initial=0)))
+        shape = self.graph_shape(num_requests, 1 + int(num_draft.max(initial=0)), other_tokens)
         if shape is not None:
             verify_ms = self.graph(*shape)
         else:
@@ -190,9 +190,14 @@ class CostModel:
         """ms of the verification forward replayed from the graph of that shape."""
         return self._graph[size, query_len]
 
-    def graph_shape(self, num_requests: int, max_query_len: int) -> tuple[int, int] | None:
-        """(size, query length) of the graph that runs a uniform step of these requests, the
-        longest asking max_query_len tokens; None when no graph is that large."""
+    def graph_shape(
+        self, num_requests: int, max_query_len: int, other_tokens: int = 0
+    ) -> tuple[int, int] | None:
+        """(size, query length) of the graph that runs a step of these requests, the longest
+        asking max_query_len tokens; None when no graph runs it: other tokens in the forward
+        (prefill chunks), no graphs, or none that large."""
+        if other_tokens or not num_requests:
+            return None
         size = next((n for n in self.graph_sizes if n >= num_requests), None)
         q = next((q for q in self.graph_query_lens if q >= max_query_len), None)
         return None if size is None or q is None else (size, q)
@@ -273,16 +278,6 @@ def objective(survival: Tensor, num_draft: Tensor, cost: CostModel, other_tokens
     return tokens / (cost.step_ms(num_rows, n, other_tokens) + cost.overhead_ms)
 
 
-def _graph_shape(
-    cost: CostModel, num_rows: int, other_tokens: int, max_query_len: int
-) -> tuple[int, int] | None:
-    """The graph that runs the step, if one does: only uniform steps (no other work in the
-    forward) of at most the largest graph's requests."""
-    if other_tokens or not num_rows or not cost.graph_sizes:
-        return None
-    return cost.graph_shape(num_rows, max_query_len)
-
-
 def optimal_num_draft(
     survival: Tensor,
     num_proposed: Tensor,
@@ -305,7 +300,7 @@ def optimal_num_draft(
     if num_rows == 0 or k == 0:
         return torch.zeros(num_rows, dtype=torch.int64)
     usable = np.arange(k)[None, :] < avail[:, None]  # [R, K]
-    if _graph_shape(cost, num_rows, other_tokens, 1) is not None:
+    if cost.graph_shape(num_rows, 1, other_tokens) is not None:
         chosen = _best_uniform(np.where(usable, s, 0.0), avail, cost, max_verify_tokens)
     else:
         chosen = _best_ragged(s, usable, cost, other_tokens, max_verify_tokens)

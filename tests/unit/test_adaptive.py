@@ -200,16 +200,21 @@ def test_choice_under_graphs_maximizes_the_objective_against_brute_force() -> No
         assert got == pytest.approx(want, rel=1e-12), (trial, chosen.tolist())
 
 
-def test_choice_under_graphs_pays_for_the_padded_shape() -> None:
-    # Three requests pad to the graph of 4, whose q = 3 costs 9 ms against 6 for q = 2: a second
-    # draft of any one request costs the q = 3 graph for all of them. Costed by token count the
-    # same survivals would take every draft.
+def _padded_graph_case() -> tuple[CostModel, torch.Tensor]:
+    """Graphs of 2 and 4 requests whose q = 3 costs 2 ms extra, and three requests' survivals."""
     cost = CostModel(
         draft_ms=[(1, 0.0)],
         verify_ms=[(0, 4.0), (100, 14.0)],
         graph_ms={(n, q): 4.0 + 0.25 * n * q + 2.0 * (q == 3) for n in (2, 4) for q in (1, 2, 3)},
     )
-    survival = torch.tensor([[0.9, 0.85]] + [[0.6, 0.3]] * 2, dtype=torch.float64)
+    return cost, torch.tensor([[0.9, 0.85]] + [[0.6, 0.3]] * 2, dtype=torch.float64)
+
+
+def test_choice_under_graphs_pays_for_the_padded_shape() -> None:
+    # Three requests pad to the graph of 4, whose q = 3 costs 9 ms against 6 for q = 2: a second
+    # draft of any one request costs the q = 3 graph for all of them. Costed by token count the
+    # same survivals would take every draft.
+    cost, survival = _padded_graph_case()
     assert cost.graph_shape(3, 2) == (4, 2) and cost.graph_shape(5, 2) is None
     # q = 2: (3 + 2.1) / 6 = 0.85 beats q = 3: (3 + 3.55) / 9 = 0.73 and q = 1: 3 / 5
     assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [1, 1, 1]
@@ -226,12 +231,7 @@ def test_step_overhead_is_learned_and_weighs_for_more_drafts() -> None:
     from libkk.engine.adaptive import AdaptiveDrafts
     from libkk.runtime.io import ScheduledRequest, SchedulerOutput
 
-    cost = CostModel(
-        draft_ms=[(1, 0.0)],
-        verify_ms=[(0, 4.0), (100, 14.0)],
-        graph_ms={(n, q): 4.0 + 0.25 * n * q + 2.0 * (q == 3) for n in (2, 4) for q in (1, 2, 3)},
-    )
-    survival = torch.tensor([[0.9, 0.85]] + [[0.6, 0.3]] * 2, dtype=torch.float64)
+    cost, survival = _padded_graph_case()
     assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [1, 1, 1]
     adaptive = AdaptiveDrafts(cost, 2, autoregressive_sampling=False)
 
