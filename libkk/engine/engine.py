@@ -215,6 +215,9 @@ class Engine:
         self.num_steps = 0
         # Async scheduling: the launched step whose tokens are not yet on the host.
         self._in_flight: InFlightStep | None = None
+        # Synchronous scheduling: running requests whose last step's tokens are detokenized (and
+        # their outputs made) while the device runs the next step.
+        self._deferred: dict[str, Request] = {}
         # Seconds per start-up phase that ran, in order.
         self.startup_seconds = clock.laps
         logger.info("started in %.1f s: %s", clock.total, clock.summary())
@@ -376,14 +379,18 @@ class Engine:
         self._log_stalls()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
-            return []
+            return self._finish_deferred()
         self.num_steps += 1
         if self.host_tier is not None:
             self.host_tier.flush()  # the forward runs after this step's tier copies
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
+
+        def finish_deferred() -> None:
+            outputs.extend(self._finish_deferred())
+
         try:
-            runner_out = self.runner.execute(sched_out)
+            runner_out = self.runner.execute(sched_out, while_device_runs=finish_deferred)
         except TensorParallelError:
             raise  # the ranks may be out of step: no retry, the session fails
         except Exception as e:  # noqa: BLE001 - one bad request must not take the others down
@@ -394,12 +401,18 @@ class Engine:
                 exc_info=True,
             )
             runner_out = self._execute_isolated(sched_out, outputs)
+        finish_deferred()  # when the step failed before the runner called it (else a no-op)
         elapsed = time.perf_counter() - start
         updated = self.scheduler.update(sched_out, runner_out, elapsed)
         if self.adaptive is not None:
             self.adaptive.observe(sched_out, runner_out)
         for request in updated:
-            outputs.append(self._process_tokens(request))
+            # A request that goes on, has no stop string (detokenizing finds those) and has its
+            # first token out is detokenized with the next step, under its forward.
+            if request.finished or request.params.stop or request.num_output_tokens == 1:
+                outputs.append(self._process_tokens(request))
+            else:
+                self._deferred[request.request_id] = request
         if self.proposer is not None:
             self._propose(sched_out, runner_out, updated)
         if self.adaptive is not None:
@@ -568,7 +581,12 @@ class Engine:
             merged.aux_hidden.update(result.aux_hidden)
         return merged
 
+    def _finish_deferred(self) -> list[RequestOutput]:
+        deferred, self._deferred = self._deferred, {}
+        return [self._process_tokens(request) for request in deferred.values()]
+
     def _process_tokens(self, request: Request) -> RequestOutput:
+        self._deferred.pop(request.request_id, None)  # all its new tokens are detokenized here
         stop = self.outputs.detokenize(request)
         if stop is not None and not request.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -580,6 +598,8 @@ class Engine:
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
+        if self._deferred.pop(request.request_id, None) is not None:
+            self.outputs.detokenize(request)  # ended before its deferred step was finished
         if request.finished:
             self._stall_logged.discard(request.request_id)
         return self.outputs.output(request)

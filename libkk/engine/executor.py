@@ -44,6 +44,7 @@ resets its captured graphs before destroying the group (NCCL waits for them fore
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import pickle
@@ -264,8 +265,15 @@ class TPExecutor:
             if proc.exitcode is not None or rank in self._errors:
                 self._fail(rank, "")
 
-    def run_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self._step(runner.execute, sched_out)
+    def run_step(
+        self,
+        runner: ModelRunner,
+        sched_out: SchedulerOutput,
+        while_device_runs: Callable[[], None] | None = None,
+    ) -> ModelRunnerOutput:
+        return self._step(
+            functools.partial(runner.execute, while_device_runs=while_device_runs), sched_out
+        )
 
     def launch_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> _WatchedLaunch:
         """`run_step` for async scheduling: every rank launches the step (and samples its tokens
@@ -503,8 +511,10 @@ class TPModelRunner:
         self.runner = runner
         self.executor = executor
 
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.executor.run_step(self.runner, sched_out)
+    def execute(
+        self, sched_out: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
+    ) -> ModelRunnerOutput:
+        return self.executor.run_step(self.runner, sched_out, while_device_runs)
 
     def launch(self, sched_out: SchedulerOutput) -> _WatchedLaunch:
         return self.executor.launch_step(self.runner, sched_out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -288,10 +288,16 @@ class ModelRunner:
         self.shard_drafts = shard_drafts
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, sched_out: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
+    ) -> ModelRunnerOutput:
+        """Runs the step and reads its tokens back. `while_device_runs` is host work that does
+        not feed this step: it runs once the forward is enqueued, before the first read."""
         batch = build_input_batch(sched_out, self.block_size, self.device)
         with _row_types(sched_out):
             hidden, aux = self._forward(batch)
+        if while_device_runs is not None:
+            while_device_runs()
         out = ModelRunnerOutput()
         if batch.sampling_rows:
             if any(batch.num_spec):

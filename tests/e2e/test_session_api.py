@@ -57,7 +57,7 @@ def test_submit_step_abort(session):
     a = session.submit("first", GREEDY)
     b = session.submit("second", SamplingParams(max_tokens=200, ignore_eos=True))
     outputs = session.step()
-    assert {o.request_id for o in outputs} == {a, b}
+    assert {o.request_id for o in outputs} == {a, b}  # a first token is handed out at once
     session.abort(b)
     finished = {}
     while len(finished) < 2:
@@ -70,6 +70,45 @@ def test_submit_step_abort(session):
         session.abort(b)
     with pytest.raises(UnknownRequestError):
         session.abort("never-submitted")
+
+
+def test_a_step_detokenizes_the_previous_steps_tokens_under_its_forward(session, monkeypatch):
+    engine = session.engine
+    execute, detokenize = engine.runner.execute, engine.outputs.detokenize
+    in_execute = False
+    during: list[bool] = []  # per detokenization: whether a step's execute was running
+
+    def timed_execute(*args, **kwargs):
+        nonlocal in_execute
+        in_execute = True
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            in_execute = False
+
+    def watched_detokenize(request):
+        during.append(in_execute)
+        return detokenize(request)
+
+    monkeypatch.setattr(engine.runner, "execute", timed_execute)
+    monkeypatch.setattr(engine.outputs, "detokenize", watched_detokenize)
+    outs = session.generate(["Hello there", "Goodbye"], GREEDY)
+    assert [len(o.token_ids) for o in outs] == [16, 16]
+    # Tokens 2..15 of each request while the next step ran; the first and the last at once.
+    assert during.count(True) == 28 and during.count(False) == 4
+
+
+def test_abort_hands_out_the_tokens_of_a_step_not_yet_finished(session):
+    rid = session.submit("Abort me", SamplingParams(max_tokens=50, ignore_eos=True))
+    outputs = session.step() + session.step() + session.step()
+    session.abort(rid)
+    outputs += session.step()
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    final = outputs[-1]
+    assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
+    assert len(final.token_ids) == 3
+    assert "".join(o.delta_text for o in outputs) == final.text
+    assert final.text == session.tokenizer.decode(final.token_ids)
 
 
 def test_threads_share_the_engine(session):
