@@ -7,6 +7,7 @@ for tests at small shapes).
 
 from __future__ import annotations
 
+from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import default_num_splits, paged_attention, paged_attention_ref
 from .gemv import gate_up_silu, gate_up_silu_ref, linear, linear_ref
 from .kv_cache import FP8_DTYPE, store_kv, store_kv_ref
@@ -38,6 +39,8 @@ __all__ = [
     "qk_norm_rope_store_kv_ref",
     "rms_norm",
     "rms_norm_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",
 ]

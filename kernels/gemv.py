@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from ._jit import check_device, jit, pdl_args, wait_for_previous
+from .activation import silu_and_mul, silu_and_mul_ref
 from .split_join import arrival_counts, arrive, sum_partials
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -200,11 +201,12 @@ def gate_up_silu(
     weight: torch.Tensor,  # [2 * intermediate, in]: gate rows, then up rows
     bias: torch.Tensor | None = None,  # [2 * intermediate]
 ) -> torch.Tensor:  # [..., intermediate]
-    """silu(x W_gate^T) * (x W_up^T): one GEMV kernel for one token."""
+    """silu(x W_gate^T) * (x W_up^T): one GEMV kernel for one token; more take cuBLAS and the
+    one-pass activation kernel."""
     check_device(x)
     if gemv_fits(x, weight):
         return gemv(x, weight, bias, silu_mul=True)
-    return gate_up_silu_ref(x, weight, bias)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 @gate_up_silu.register_fake
@@ -215,5 +217,4 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -
 def gate_up_silu_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_and_mul_ref(F.linear(x, weight, bias))

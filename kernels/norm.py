@@ -213,65 +213,79 @@ def _qk_norm_rope_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
-    STORE: tl.constexpr,  # k and v go to the cache (programs past the k heads copy v)
+    HEADS: tl.constexpr,  # heads per program: a [HEADS, HALF_PAD] tile per half of a head row
+    STORE: tl.constexpr,  # k and v go to the cache (the blocks past the k heads copy v)
     PAGE: tl.constexpr,
     IS_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # Program (token, block): the blocks of q heads, then of k heads (then, STORE, of v heads).
+    # A block holds one kind only, so its heads share a weight and a destination; lanes past the
+    # kind's last head are masked.
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    block = tl.program_id(1)
+    q_blocks: tl.constexpr = (NUM_Q_HEADS + HEADS - 1) // HEADS
+    kv_blocks: tl.constexpr = (NUM_KV_HEADS + HEADS - 1) // HEADS
     half = HEAD_DIM // 2
-    d = tl.arange(0, HALF_PAD)
-    mask = d < half
+    lane = tl.arange(0, HEADS)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    col_mask = d < half
     out_ty = q_out_ptr.dtype.element_ty
-    cache_mask = mask
+    row_stored = True
     cache_row = cache_ptr
     if STORE:
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        cache_mask = mask & (slot >= PAGE)  # the null block (or negative): a padded row
+        row_stored = slot >= PAGE  # a padded row's slot is the null block's, or negative
         cache_row = cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM)
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        if head < NUM_Q_HEADS:
+    if block < q_blocks + kv_blocks:
+        if block < q_blocks:
+            head = (block * HEADS + lane)[:, None]
+            mask = col_mask & (head < NUM_Q_HEADS)
             src = q_ptr + token * stride_q + head * HEAD_DIM
             weight_ptr = q_weight_ptr
             dst = q_out_ptr + token * (NUM_Q_HEADS * HEAD_DIM) + head * HEAD_DIM
         else:
-            src = k_ptr + token * stride_k + (head - NUM_Q_HEADS) * HEAD_DIM
+            head = ((block - q_blocks) * HEADS + lane)[:, None]
+            mask = col_mask & (head < NUM_KV_HEADS)
+            src = k_ptr + token * stride_k + head * HEAD_DIM
             weight_ptr = k_weight_ptr
-            dst = k_out_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+            dst = k_out_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM
         x1 = tl.load(src + d, mask=mask, other=0.0)
         x2 = tl.load(src + half + d, mask=mask, other=0.0)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
+        # each head's own sum of squares, along head_dim only
+        ss = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
+        rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(weight_ptr + d, mask=col_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + d, mask=col_mask, other=0.0).to(tl.float32)
         # the norm's output, rounded as the separate norm op rounds it
         y1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         y2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         pos = tl.load(positions_ptr + token).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d, mask=mask, other=0.0)
-        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d, mask=mask, other=0.0)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d, mask=col_mask, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d, mask=col_mask, other=0.0)
         cos = cos.to(x1.dtype).to(tl.float32)
         sin = sin.to(x1.dtype).to(tl.float32)
         r1 = (y1 * cos - y2 * sin).to(out_ty)
         r2 = (y2 * cos + y1 * sin).to(out_ty)
         out_mask = mask
-        if STORE:  # k heads write the cache instead of k_out
-            out_mask = mask & (head < NUM_Q_HEADS)
-            key_mask = cache_mask & (head >= NUM_Q_HEADS)
-            key = cache_row + (head - NUM_Q_HEADS) * HEAD_DIM
+        if STORE:  # k blocks write the cache instead of k_out
+            out_mask = mask & (block < q_blocks)
+            key_mask = mask & row_stored & (block >= q_blocks)
+            key = cache_row + head * HEAD_DIM
             _store_to_cache(key, r1, r2, half, d, k_scale_ptr, cache_ptr, key_mask, IS_FP8)
         tl.store(dst + d, r1, mask=out_mask)
         tl.store(dst + half + d, r2, mask=out_mask)
     else:
-        if STORE:  # the programs past the k heads copy this step's v rows into the cache
-            kv_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-            src = v_ptr + token * stride_v + kv_head * HEAD_DIM
-            x1 = tl.load(src + d, mask=cache_mask, other=0.0)
-            x2 = tl.load(src + half + d, mask=cache_mask, other=0.0)
-            value = cache_row + cache_kv_stride + kv_head * HEAD_DIM
-            _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, cache_mask, IS_FP8)
+        if STORE:  # the blocks past the k heads copy this step's v rows into the cache
+            head = ((block - q_blocks - kv_blocks) * HEADS + lane)[:, None]
+            mask = col_mask & (head < NUM_KV_HEADS) & row_stored
+            src = v_ptr + token * stride_v + head * HEAD_DIM
+            x1 = tl.load(src + d, mask=mask, other=0.0)
+            x2 = tl.load(src + half + d, mask=mask, other=0.0)
+            value = cache_row + cache_kv_stride + head * HEAD_DIM
+            _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, mask, IS_FP8)
 
 
 @torch.library.custom_op("libkk::qk_norm_rope", mutates_args=())
@@ -293,6 +307,17 @@ def qk_norm_rope(
     return q_out, k_out
 
 
+def _heads_per_program(num_heads: int) -> int:
+    """Heads of one token a program takes: 8, fewer where there are fewer q heads (a tile's side
+    is a power of two).
+
+    One head a program made 12K one-warp programs at 256 tokens of Qwen3-8B (32 q, 8 k, 8 v
+    heads), latency-bound. Each head keeps a warp of its own, so a block takes about one head's
+    time; 8 fills that model's blocks exactly: 4 + 1 + 1 a token, 1.5K programs at 256 tokens
+    and still 6 at one."""
+    return min(8, next_pow2(num_heads))
+
+
 def _launch_qk_norm_rope(
     q, k, q_weight, k_weight, cos_sin_cache, positions, eps, q_out, k_out=None,
     v=None, kv_cache=None, slot_mapping=None, k_scale=None, v_scale=None,
@@ -305,23 +330,27 @@ def _launch_qk_norm_rope(
         return
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
+    heads = _heads_per_program(num_heads)
+    q_blocks, kv_blocks = -(-num_heads // heads), -(-num_kv_heads // heads)
     store = kv_cache is not None
     if store:
         v = v if v.stride(-1) == 1 else v.contiguous()
         cache_args = (kv_cache, slot_mapping, k_scale, v_scale, v.stride(0), kv_cache.stride(0))
-        page, programs = kv_cache.shape[2], num_heads + 2 * num_kv_heads
+        page, programs = kv_cache.shape[2], q_blocks + 2 * kv_blocks
     else:  # unread pointers and strides
         v, cache_args = k, (q_out, positions, q_out, q_out, 0, 0)
-        page, programs = 1, num_heads + num_kv_heads
+        page, programs = 1, q_blocks + kv_blocks
     cache, slots, k_sc, v_sc, stride_v, kv_stride = cache_args
+    # One warp per head: each head row then has the layout (lanes, elements per lane) that a
+    # one-warp program per head gave it, so its sum of squares reduces in the same order.
     _qk_norm_rope_kernel[(num_tokens, programs)](
         q, k, v, q_weight, k_weight, cos_sin_cache, positions, q_out,
         q_out if k_out is None else k_out, cache, slots, k_sc, v_sc,
         q.stride(0), k.stride(0), stride_v, kv_stride, eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_PAD=next_pow2(head_dim // 2), STORE=store, PAGE=page,
+        HALF_PAD=next_pow2(head_dim // 2), HEADS=heads, STORE=store, PAGE=page,
         IS_FP8=store and kv_cache.dtype == FP8_DTYPE,
-        num_warps=1, **pdl_args(q.device),
+        num_warps=heads, **pdl_args(q.device),
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ powers of two, zero, one and several tokens, NaN-poisoned caches. On CPU in Trit
 
 from __future__ import annotations
 
+import libkk.kernels.norm as norm
 import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
@@ -185,3 +186,54 @@ def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num
         written = ~ref.isnan()
         assert torch.equal(written, ~got.isnan())
         _close(got[written], ref[written], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# (q heads, kv heads, head_dim): GQA groups of 3 and 5, and q heads filling 2.5 blocks of 8
+@pytest.mark.parametrize("heads", [(6, 2, 16), (5, 1, 32), (20, 4, 16)])
+def test_qk_norm_rope_blocks_of_heads_mask_the_heads_past_the_last(dtype, heads, monkeypatch):
+    """A program normalizes and rotates a block of one token's heads. Whatever the block size
+    (and whether or not it divides the head counts), both ops give the bits of one head a
+    program, the references' values, and the fused op the two ops' q and cache."""
+    num_heads, num_kv_heads, head_dim = heads
+    num_tokens, page, num_blocks = 6, 4, 6
+    g = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    qkv = (qkv * 3).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    real = torch.randperm((num_blocks - 1) * page, generator=g)[: num_tokens - 2] + page
+    slots = torch.cat([real[:2], torch.tensor([-1, 2]), real[2:]]).to(DEVICE)  # padded rows
+    poisoned = torch.full((2, num_blocks, page, num_kv_heads, head_dim), float("nan"))
+    poisoned = poisoned.to(dtype).to(DEVICE)
+    scales = torch.tensor([0.05], device=DEVICE), torch.tensor([2.0], device=DEVICE)
+    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+
+    def run() -> list[torch.Tensor]:
+        got_q, got_k = qk_norm_rope(q, k, *args)
+        cache, fused_q = poisoned.clone(), torch.full_like(got_q, float("nan"))
+        qk_norm_rope_store_kv(q, k, v, *args, cache, slots, *scales, fused_q)
+        return [t.view(torch.uint8) for t in (got_q, got_k, fused_q, cache)]
+
+    monkeypatch.setattr(norm, "_heads_per_program", lambda num_heads: 1)
+    one_head = run()
+    for block in [2, 4, 16]:  # and 8, the launcher's choice here, below
+        monkeypatch.setattr(norm, "_heads_per_program", lambda num_heads, block=block: block)
+        assert all(map(torch.equal, run(), one_head)), f"{block} heads a program"
+    monkeypatch.undo()  # the launcher's own choice
+    got = run()
+    assert all(map(torch.equal, got, one_head))
+    got_q, got_k, fused_q, cache = (t.view(dtype) for t in got)
+    want_q, want_k = qk_norm_rope_ref(q, k, *args)
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert torch.equal(fused_q, got_q)
+    rows = (num_tokens, num_kv_heads, head_dim)
+    want = poisoned.clone()
+    store_kv(got_k.view(rows), v.view(rows), want, slots, *scales)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert cache[:, 0].float().isnan().all()  # the null block: padded rows wrote nothing
