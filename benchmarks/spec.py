@@ -15,8 +15,14 @@ helper. Every request decodes --tokens tokens greedily (EOS ignored) after a --p
 - `--adaptive` adds each speculative case again with adaptive verification (the drafts each step
   verifies chosen from the online acceptance estimate and the start-up cost tables).
 
-Decode tok/s = requests * tokens / the slowest request's decode time (first token to last); each
-case first runs its whole workload once untimed, then --repeats timed runs of it (median, spread).
+Two rates per case, each the median (and spread) of --repeats timed runs after one untimed run
+of the whole workload:
+- tok/s (closed batch): requests * tokens / the slowest request's decode time (first token to
+  last). Under speculation requests accept different numbers of drafts, so the batch waits for
+  its unluckiest request: at batch 32 and 128 tokens the last one needs several more steps than
+  the mean.
+- steady tok/s: output tokens per second while all the batch's requests are decoding (the rate
+  at that batch size, as a server that keeps its batch full sees it).
 The floor for a speculative row is its measured acceptance length * requests per weight read:
 a verification step reads the weights at least once (decode.py's `step_bytes` without the KV
 cache / measured copy bandwidth).
@@ -106,23 +112,52 @@ def run(
             s.engine.proposer = RepeatAnchor()
         s.generate(ids, params)  # warm up: every step shape the repeats will see
         before = s.stats()
-        tok_s = []
+        tok_s, steady = [], []
         for _ in range(repeats):
-            outs = s.generate(ids, params)
-            decode = max(o.timeline.decode_time for o in outs)
-            tok_s.append(batch * tokens / decode)
+            closed, full = _decode_rates(s, ids, params, tokens)
+            tok_s.append(closed)
+            steady.append(full)
         after = s.stats()
         if profile:
             profile_steps(s, ids, tokens)
         weights = s.engine.weights_bytes
     row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)],
-           "per_repeat": tok_s}  # fmt: skip
+           "per_repeat": tok_s, "steady_tok_s": statistics.median(steady),
+           "steady_spread": [min(steady), max(steady)]}  # fmt: skip
     row["weights_bytes"] = weights
     if "spec_num_verify_steps" in after:
         steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
         accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
         row["acceptance_length"] = 1 + accepted / steps if steps else 1.0
     return row
+
+
+def _decode_rates(session, ids: list[list[int]], params: list, tokens: int) -> tuple[float, float]:
+    """One run of the batch through Session.submit / step: (closed-batch tok/s, steady tok/s).
+
+    Closed batch: requests * tokens / the slowest request's decode time. Steady: output tokens
+    per second while every request is still decoding, from two steps after the last first token
+    to the step before the first request finishes; each end counts the tokens handed out by
+    then (outputs a step late, under async scheduling or deferred detokenization, are late at
+    both ends alike)."""
+    rids = [session.submit(p, sp) for p, sp in zip(ids, params, strict=True)]
+    counts = dict.fromkeys(rids, 0)
+    final, marks = [], []  # marks: (time, tokens handed out, every request still running)
+    while len(final) < len(rids):
+        outs = session.step()
+        now = time.perf_counter()
+        for o in outs:
+            counts[o.request_id] = len(o.token_ids)
+            if o.finished:
+                final.append(o)
+        marks.append((now, sum(counts.values()), not final, min(counts.values())))
+    closed = len(rids) * tokens / max(o.timeline.decode_time for o in final)
+    first = next(i for i, m in enumerate(marks) if m[3] >= 1) + 2
+    last = max(i for i, m in enumerate(marks) if m[2])
+    if last <= first:
+        raise RuntimeError(f"no steady window in {len(marks)} steps: raise --tokens")
+    (t0, n0, *_), (t1, n1, *_) = marks[first], marks[last]
+    return closed, (n1 - n0) / (t1 - t0)
 
 
 def main() -> None:
@@ -179,8 +214,9 @@ def main() -> None:
             profile = args.profile and "method" in spec  # plain decoding: decode.py --profile
             row |= run(path, workload, args.tokens, args.repeats, args.device, profile, **spec)
             if name == "none":
-                base = row["tok_s"]
-            row["speedup"] = row["tok_s"] / base if base else None
+                base = row
+            row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
+            row["steady_speedup"] = row["steady_tok_s"] / base["steady_tok_s"] if base else None
             if bandwidth:
                 per_read = row.get("acceptance_length", 1.0) * batch
                 read = step_bytes(cfg, row["weights_bytes"], "bf16", batch, context=0)
@@ -200,15 +236,19 @@ def main() -> None:
     print(
         f"\n{args.shape} decode with speculation, K={K}, prompt {args.prompt}, {args.tokens} tokens"
     )
-    print(f"{'batch':>6}  {'case':<26}{'tok/s':>10}{'spread':>18}{'speedup':>9}{'acc. len':>10}"
-          f"{'floor tok/s':>13}")  # fmt: skip
+    print(f"{'batch':>6}  {'case':<26}{'tok/s':>10}{'spread':>13}{'speedup':>9}"
+          f"{'steady':>10}{'spread':>13}{'speedup':>9}{'acc. len':>10}{'floor tok/s':>13}")  # fmt: skip
+    nan = float("nan")
     for r in rows:
         acc = r.get("acceptance_length")
-        spread = f"{r['spread'][0]:.0f}-{r['spread'][1]:.0f}"
+        spreads = [
+            f"{lo:.0f}-{hi:.0f}" for lo, hi in (r["spread"], r.get("steady_spread", (nan,) * 2))
+        ]
         print(
-            f"{r['batch']:>6}  {r['case']:<26}{r['tok_s']:>10.1f}{spread:>18}"
-            f"{r['speedup'] or 0:>9.2f}{acc if acc is not None else float('nan'):>10.2f}"
-            f"{r.get('floor_tok_s', float('nan')):>13.0f}"
+            f"{r['batch']:>6}  {r['case']:<26}{r['tok_s']:>10.1f}{spreads[0]:>13}"
+            f"{r['speedup'] or nan:>9.2f}{r.get('steady_tok_s', nan):>10.1f}{spreads[1]:>13}"
+            f"{r.get('steady_speedup') or nan:>9.2f}{acc if acc is not None else nan:>10.2f}"
+            f"{r.get('floor_tok_s', nan):>13.0f}"
         )
     Path(args.out).write_text(json.dumps({"shape": args.shape, "k": K, "rows": rows}, indent=2))
 
