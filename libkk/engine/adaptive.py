@@ -3,9 +3,10 @@
 With `adaptive_verification=True`, after the proposer drafts, `AdaptiveDrafts.trim` asks the
 `AdaptiveVerifier` (libkk/spec/adaptive.py) for each request's draft count, from the draft
 distributions' features, the online acceptance estimate and the step costs, and cuts the drafts
-to it; after the step, `observe` feeds each request's verified and accepted counts back to the
-estimator. Trimming only decides how many drafts are verified, from features of the draft
-distributions (never of the drawn tokens), so the output keeps the target's distribution.
+to it; after the step, `observe` takes each request's verified and accepted counts, which `learn`
+feeds to the estimator while the device runs the next step. Trimming only decides how many drafts
+are verified, from features of the draft distributions (never of the drawn tokens), so the output
+keeps the target's distribution.
 
 The step costs are profiled once at start-up (`profile_costs`): the target forward over n tokens
 of a request in the null block (verify cost vs tokens, for steps no graph runs), every captured
@@ -61,6 +62,10 @@ class AdaptiveDrafts:
         self.autoregressive_sampling = autoregressive_sampling
         self.num_positions = verifier.estimator.num_positions
         self._features: dict[str, torch.Tensor] = {}  # request id -> [K] features of its drafts
+        # Taken by observe / record_step, not yet learned from: (features, verified, accepted)
+        # per step, and (drafts per request, wall ms) per decode step.
+        self._observed: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
+        self._timed: list[tuple[np.ndarray, float]] = []
 
     def trim(self, requests: Sequence[Request]) -> None:
         """Cuts each request's drafts to the verifier's choice; remembers their features."""
@@ -86,7 +91,8 @@ class AdaptiveDrafts:
                 request.draft_logits = request.draft_logits[:n]
 
     def observe(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
-        """Feeds the verified and accepted draft counts of this step to the estimator."""
+        """Takes the verified and accepted draft counts of this step for the estimator; `learn`
+        feeds them to it."""
         rows, verified, accepted = [], [], []
         for scheduled in sched_out.requests:
             row = self._features.pop(scheduled.request_id, None)
@@ -97,16 +103,30 @@ class AdaptiveDrafts:
             verified.append(scheduled.num_spec_tokens)
             accepted.append(len(tokens) - 1)  # the accepted drafts, then one target token
         if rows:
-            self.verifier.observe(torch.stack(rows), torch.tensor(verified), torch.tensor(accepted))
+            self._observed.append((rows, verified, accepted))
 
     def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
-        """Feeds a decode step's wall time (schedule to proposal) to the cost model's overhead;
-        steps with prompt tokens are left out."""
+        """Takes a decode step's wall time (schedule to proposal) for the cost model's overhead;
+        steps with prompt tokens are left out. `learn` feeds it to the model."""
         requests = sched_out.requests
         if any(r.num_new_tokens != 1 + r.num_spec_tokens for r in requests):
             return
         drafts = np.fromiter((r.num_spec_tokens for r in requests), np.int64, len(requests))
-        self.verifier.cost.observe_step(drafts, seconds * 1e3)
+        self._timed.append((drafts, seconds * 1e3))
+
+    def learn(self) -> None:
+        """Feeds what `observe` and `record_step` took to the estimator and the cost model.
+
+        The engine calls it while the device runs the next step: the next choice is then made
+        without the last step's outcome (one step late, which an online estimate refitted every
+        10 to 100 steps does not feel), and the work leaves the path between a step's read-back
+        and the next launch."""
+        for rows, verified, accepted in self._observed:
+            self.verifier.observe(torch.stack(rows), torch.tensor(verified), torch.tensor(accepted))
+        for drafts, ms in self._timed:
+            self.verifier.cost.observe_step(drafts, ms)
+        self._observed.clear()
+        self._timed.clear()
 
     def forget(self, request_id: str) -> None:
         self._features.pop(request_id, None)

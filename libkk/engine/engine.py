@@ -582,6 +582,8 @@ class Engine:
         return merged
 
     def _finish_deferred(self) -> list[RequestOutput]:
+        if self.adaptive is not None:
+            self.adaptive.learn()
         deferred, self._deferred = self._deferred, {}
         return [self._process_tokens(request) for request in deferred.values()]
 

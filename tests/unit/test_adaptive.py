@@ -243,15 +243,19 @@ def test_step_overhead_is_learned_and_weighs_for_more_drafts() -> None:
 
     # Three requests verifying 1 draft each run the (4, 2) graph: 6 ms by the tables. Steps
     # that took 12 ms teach about 6 ms of overhead (an exponential average); prompt steps and
-    # faster-than-the-tables steps teach nothing beyond 0.
+    # faster-than-the-tables steps teach nothing beyond 0. The engine calls `learn` while the
+    # next step runs: what record_step takes waits for it.
     for _ in range(60):
         adaptive.record_step(step([1, 1, 1]), 0.012)
         adaptive.record_step(step([1, 1, 1], prompt=True), 1.0)
+    assert cost.overhead_ms == 0.0
+    adaptive.learn()
     assert cost.overhead_ms == pytest.approx(6.0, abs=0.05)
     # A fixed 6 ms per step makes the q = 3 graph worth it: (3 + 3.55) / 15 > (3 + 2.1) / 12.
     assert optimal_num_draft(survival, torch.tensor([2, 2, 2]), cost).tolist() == [2, 2, 2]
     for _ in range(200):
         adaptive.record_step(step([1, 1, 1]), 0.001)
+        adaptive.learn()
     assert cost.overhead_ms < 1e-6
 
 
