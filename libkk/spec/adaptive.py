@@ -151,6 +151,11 @@ class CostModel:
             raise ConfigError(
                 "graph_ms must hold every (size, query length) of its sizes and lengths"
             )
+        # Per size: ms of its graphs in graph_query_lens order (the per-step choice reads rows).
+        self._graph_rows = {
+            n: np.array([self._graph[n, q] for q in self.graph_query_lens])
+            for n in self.graph_sizes
+        }
 
     @property
     def draft_points(self) -> list[tuple[float, float]]:
@@ -189,6 +194,10 @@ class CostModel:
     def graph(self, size: int, query_len: int) -> float:
         """ms of the verification forward replayed from the graph of that shape."""
         return self._graph[size, query_len]
+
+    def graph_times(self, size: int) -> np.ndarray:
+        """ms of the graphs of that size, one per `graph_query_lens` entry."""
+        return self._graph_rows[size]
 
     def graph_shape(
         self, num_requests: int, max_query_len: int, other_tokens: int = 0
@@ -333,19 +342,20 @@ def _best_uniform(
     num_rows, k = s.shape
     prefix = np.zeros((num_rows, k + 1))
     np.cumsum(s, axis=1, out=prefix[:, 1:])  # prefix[r, n]: expected accepted of n drafts
-    rows = np.arange(num_rows)
-    fixed_ms = float(cost.draft(num_rows)) + cost.overhead_ms
-    best, best_ratio = np.zeros(num_rows, dtype=np.int64), -math.inf
-    for q in cost.graph_query_lens:  # ascending: the first best has the fewest drafts
-        n = np.minimum(avail, q - 1)
-        if budget is not None and n.any() and num_rows + int(n.sum()) > budget:
-            continue
-        shape = cost.graph_shape(num_rows, 1 + int(n.max()))
-        assert shape is not None  # a graph of q tokens exists and 1 + max n <= q
-        ratio = (num_rows + float(prefix[rows, n].sum())) / (fixed_ms + cost.graph(*shape))
-        if ratio > best_ratio:
-            best, best_ratio = n.astype(np.int64), ratio
-    return best
+    lens = np.asarray(cost.graph_query_lens)  # ascending: the first best has the fewest drafts
+    n = np.minimum(avail[None, :], lens[:, None] - 1)  # [Q, R]: each cap's drafts
+    gained = prefix[np.arange(num_rows)[None, :], n].sum(axis=1)  # [Q]
+    shape = cost.graph_shape(num_rows, 1)
+    assert shape is not None  # graphs run this step
+    # A cap's step runs the graph of the shortest captured length holding its longest request.
+    graph_ms = cost.graph_times(shape[0])[np.searchsorted(lens, 1 + n.max(axis=1))]
+    ratio = (num_rows + gained) / (float(cost.draft(num_rows)) + cost.overhead_ms + graph_ms)
+    if budget is not None:
+        ratio[n.any(axis=1) & (num_rows + n.sum(axis=1) > budget)] = -math.inf
+    best = int(ratio.argmax())  # the first maximum
+    if ratio[best] == -math.inf:
+        return np.zeros(num_rows, dtype=np.int64)
+    return n[best].astype(np.int64)
 
 
 def proposal_features(

@@ -372,3 +372,22 @@ def test_rate_for_acceptance_length() -> None:
     assert float(acc.double().mean()) + 1 == pytest.approx(3.5, abs=0.06)
     with pytest.raises(SpeculationInputError, match="length must lie"):
         rate_for_acceptance_length(9.0, 7)
+
+
+def test_choice_under_graphs_and_a_budget_takes_the_best_cap_that_fits() -> None:
+    g = torch.Generator().manual_seed(4)
+    for trial in range(100):
+        num_rows = int(torch.randint(1, 5, (1,), generator=g))
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        survival = torch.rand(num_rows, k, generator=g, dtype=torch.float64).cumprod(dim=-1)
+        avail = torch.randint(0, k + 1, (num_rows,), generator=g)
+        cost = _graph_cost(g, [1, 2, 4], list(range(1, k + 2)))
+        cost.overhead_ms = float(torch.rand(1, generator=g)) * 10
+        budget = num_rows + int(torch.randint(0, num_rows * k + 1, (1,), generator=g))
+        chosen = optimal_num_draft(survival, avail, cost, max_verify_tokens=budget)
+        caps = [avail.clamp(max=c) for c in range(k + 1)]
+        fitting = [n for n in caps if not n.any() or num_rows + int(n.sum()) <= budget]
+        want = max(objective(survival, n, cost) for n in fitting)
+        assert num_rows + int(chosen.sum()) <= max(budget, num_rows), trial
+        assert any(torch.equal(chosen, n) for n in fitting), (trial, chosen.tolist())
+        assert objective(survival, chosen, cost) == pytest.approx(want, rel=1e-12), trial
