@@ -139,6 +139,21 @@ def test_qk_norm_rope_reference_is_the_model_path():
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+def _qk_case(g: torch.Generator, num_tokens: int, heads: tuple[int, int, int], dtype: torch.dtype):
+    """q, k, v (column slices of one fused projection's output) and the remaining arguments of
+    qk_norm_rope: weights, the rope table, positions, eps."""
+    num_heads, num_kv_heads, head_dim = heads
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    qkv = (qkv * 3).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
+    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    return q, k, v, (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+
+
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
     [(d, d) for d in DTYPES] + ([(torch.bfloat16, FP8_DTYPE)] if ON_CUDA else []),
@@ -151,21 +166,13 @@ def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num
     num_heads, num_kv_heads, head_dim = heads
     page, num_blocks = 4, 6
     g = torch.Generator().manual_seed(num_heads + num_tokens)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
-    qkv = (qkv * 3).to(dtype).to(DEVICE)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
-    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
-    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
-    with torch.device(DEVICE):
-        rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
-    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    q, k, v, args = _qk_case(g, num_tokens, heads, dtype)
     real = torch.randperm((num_blocks - 1) * page, generator=g)[: max(num_tokens - 2, 0)] + page
     slots = torch.cat([real, torch.tensor([2, -1])])[:num_tokens].to(DEVICE)
     shape = (2, num_blocks, page, num_kv_heads, head_dim)
     poisoned = torch.full(shape, float("nan")).to(cache_dtype).to(DEVICE)
     k_scale = torch.tensor([0.05], device=DEVICE)  # FP8 only: large keys saturate
     v_scale = torch.tensor([2.0], device=DEVICE)
-    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
 
     want = poisoned.clone()
     want_q, want_k = qk_norm_rope(q, k, *args)
@@ -198,20 +205,12 @@ def test_qk_norm_rope_blocks_of_heads_mask_the_heads_past_the_last(dtype, heads,
     num_heads, num_kv_heads, head_dim = heads
     num_tokens, page, num_blocks = 6, 4, 6
     g = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
-    qkv = (qkv * 3).to(dtype).to(DEVICE)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], 1)
-    q_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
-    k_weight = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE)
-    with torch.device(DEVICE):
-        rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
-    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    q, k, v, args = _qk_case(g, num_tokens, heads, dtype)
     real = torch.randperm((num_blocks - 1) * page, generator=g)[: num_tokens - 2] + page
     slots = torch.cat([real[:2], torch.tensor([-1, 2]), real[2:]]).to(DEVICE)  # padded rows
     poisoned = torch.full((2, num_blocks, page, num_kv_heads, head_dim), float("nan"))
     poisoned = poisoned.to(dtype).to(DEVICE)
     scales = torch.tensor([0.05], device=DEVICE), torch.tensor([2.0], device=DEVICE)
-    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
 
     def run() -> list[torch.Tensor]:
         got_q, got_k = qk_norm_rope(q, k, *args)
