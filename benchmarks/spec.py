@@ -142,7 +142,9 @@ def _decode_rates(session, ids: list[list[int]], params: list, tokens: int) -> t
     both ends alike)."""
     rids = [session.submit(p, sp) for p, sp in zip(ids, params, strict=True)]
     counts = dict.fromkeys(rids, 0)
-    final, marks = [], []  # marks: (time, tokens handed out, every request still running)
+    final = []
+    marks = []  # after each step while every request runs: (time, tokens handed out)
+    first = None  # the mark two steps after the last first token
     while len(final) < len(rids):
         outs = session.step()
         now = time.perf_counter()
@@ -150,13 +152,14 @@ def _decode_rates(session, ids: list[list[int]], params: list, tokens: int) -> t
             counts[o.request_id] = len(o.token_ids)
             if o.finished:
                 final.append(o)
-        marks.append((now, sum(counts.values()), not final, min(counts.values())))
+        if not final:
+            marks.append((now, sum(counts.values())))
+            if first is None and min(counts.values()) >= 1:
+                first = len(marks) + 1
     closed = len(rids) * tokens / max(o.timeline.decode_time for o in final)
-    first = next(i for i, m in enumerate(marks) if m[3] >= 1) + 2
-    last = max(i for i, m in enumerate(marks) if m[2])
-    if last <= first:
+    if first is None or len(marks) - 1 <= first:
         raise RuntimeError(f"no steady window in {len(marks)} steps: raise --tokens")
-    (t0, n0, *_), (t1, n1, *_) = marks[first], marks[last]
+    (t0, n0), (t1, n1) = marks[first], marks[-1]
     return closed, (n1 - n0) / (t1 - t0)
 
 
@@ -237,7 +240,8 @@ def main() -> None:
         f"\n{args.shape} decode with speculation, K={K}, prompt {args.prompt}, {args.tokens} tokens"
     )
     print(f"{'batch':>6}  {'case':<26}{'tok/s':>10}{'spread':>13}{'speedup':>9}"
-          f"{'steady':>10}{'spread':>13}{'speedup':>9}{'acc. len':>10}{'floor tok/s':>13}")  # fmt: skip
+          f"{'steady':>10}{'spread':>13}{'speedup':>9}"
+          f"{'acc. len':>10}{'floor tok/s':>13}")  # fmt: skip
     nan = float("nan")
     for r in rows:
         acc = r.get("acceptance_length")

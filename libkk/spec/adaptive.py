@@ -11,10 +11,11 @@ tokens (every request emits one target token plus its accepted drafts), at the c
     cost(n) = draft_ms(R) + verify_ms(R + other_tokens + sum_r n_r) + overhead_ms
 
 from start-up profiles (`CostModel`), overhead_ms being the rest of a step's wall time (host work
-the device waits for), learned from the steps that ran (`CostModel.observe_step`). `AdaptiveVerifier.choose` returns the n maximizing
-tokens(n) / cost(n). It is solved exactly: the cost depends on n only through m = sum_r n_r, and
-s_{r,k} never grows with k, so for each m the best n takes the m largest survivals of the batch
-(a prefix of every row); the best m is found by trying every m (`optimal_num_draft`).
+the device waits for), learned from the steps that ran (`CostModel.observe_step`).
+`AdaptiveVerifier.choose` returns the n maximizing tokens(n) / cost(n). It is solved exactly: the
+cost depends on n only through m = sum_r n_r, and s_{r,k} never grows with k, so for each m the
+best n takes the m largest survivals of the batch (a prefix of every row); the best m is found by
+trying every m (`optimal_num_draft`).
 
 Graphs. A step of R requests that a captured CUDA graph runs costs what its graph costs: every
 request is padded to the graph's query length q (the smallest captured one >= 1 + max_r n_r)
