@@ -169,7 +169,7 @@ def sweep_configs(t: int) -> list:
         pairs = list(itertools.product([PAIR_MAJOR], [4, 8, 16], [256], [2, 4], [3], [2, 4]))
         pairs += itertools.product([PAIR_MAJOR], [4, 8, 16, 32], [256, 512, 2048], [2, 4], [1, 3])
     if t <= 64:
-        grid = itertools.product([16], [16, 32, 64], [128, 256], [4, 8], [2, 3, 4])
+        grid = itertools.product([16], [16, 32, 64], [64, 128, 256], [4, 8], [2, 3, 4])
     else:
         grid = itertools.product([64, 128], [64, 128], [64, 128], [4, 8], [3])
     return [MoeTileConfig(*c) for c in [*pairs, *grid]]

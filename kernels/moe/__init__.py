@@ -25,11 +25,12 @@ e4m3 byte are its value times 2^-6, and the 2^6 rides on the scale.
 A tile config with block_m = PAIR_MAJOR replaces steps 2-4 with one matrix-vector product per pair
 (see the pair-major section).
 
-Because the packed bytes hold even and odd K elements in the two nibbles, the kernels split the
-activations into even and odd columns and run two dots per K step instead of interleaving nibbles.
+The packed bytes hold even and odd K elements in the two nibbles; the sorted-path kernels decode
+each nibble plane into its own tile and interleave the two into K order in registers, so one dot
+per K step reads the activations contiguously.
 
 Tile configs: a static table (up to 16 tokens the pair-major path; then up to 64 tokens 16-row
-M tiles, the weight stream dominates; prefill: 64-row tiles), unless a higher layer installed
+M tiles, the weight stream dominates; prefill: 64-row tiles, 128-row ones from 4096 tokens), unless a higher layer installed
 measured choices for the layer's shape (`install_tile_choice`; graphs/moe_tiles.py times
 candidates on the GPU and keeps them in the artifact cache, which kernels/ cannot import).
 Triton's own autotune is not used.
@@ -39,6 +40,7 @@ from .common import (
     DECODE_CONFIG,
     FORMATS,
     GROUP,
+    LARGE_PREFILL_CONFIG,
     PAIR_DECODE_CONFIG,
     PAIR_DECODE_NARROW,
     PAIR_MAJOR,
@@ -100,6 +102,7 @@ __all__ = [
     "PAIR_DECODE_NARROW",
     "PAIR_MAJOR",
     "PAIR_MAJOR_MAX_TOKENS",
+    "LARGE_PREFILL_CONFIG",
     "PREFILL_CONFIG",
     "W4A8_PREFILL_CONFIG",
     "MoeKernelError",
