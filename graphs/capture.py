@@ -130,15 +130,18 @@ class DecodeGraphs:
         ]
         keys.sort(key=lambda k: -k[0] * k[1])  # largest first: smaller graphs reuse its memory
         lockstep(f"decode graph plan (q, size): {keys}")
-        for q, size in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
+        bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
+        for i, (q, size) in enumerate(bar):
             name = f"decode graph q={q} size={size}"
             self._layout(q)
             metadata = self._metadata(q, size)
             ids, pos = self.input_ids[: size * q], self.positions[: size * q]
-            # The first warm-up compiles the forward, if compiled (torch.compile is lazy).
+            # The first graph's two warm-ups compile the forward, if compiled (torch.compile is
+            # lazy), and make the one-time state (cuBLAS workspaces, allocator blocks); later
+            # graphs need one, for the kernel variants of their own size.
             lockstep(f"{name}: warm-up")
             with set_forward_context(metadata):
-                for _ in range(2):  # compiles the kernels and settles allocations
+                for _ in range(2 if i == 0 else 1):
                     self.forward(ids, pos)
                 torch.cuda.synchronize()
                 enter_phase(f"{name}: capture")
