@@ -2,15 +2,26 @@
 
 The MoE kernels read scales as uint8 [E, R, C] (R weight rows, C = K / block size), which is
 exactly what the torch decoder `libkk.quant.csf.decode_csf` returns, so the expansion writes that
-tensor (in place, into a preallocated buffer: it runs inside CUDA graphs). One program per
-(expert, 16-row slab): it writes base + offset for the slab's 16 x C bytes, then, after a barrier,
-the slab's exception records over them. Integer-only, so it is bit-exact with the torch decoder
-for every input, NaN scale bytes included.
+tensor (in place, into a preallocated buffer: it runs inside CUDA graphs, so it neither syncs with
+the host nor allocates). Two launches on one stream, the second after the first:
+
+- dense: one program per tile of rows (and per column block when rows are very wide) loads the
+  rows' packed offset bytes as contiguous runs, splits each byte into its fields with shifts,
+  interleaved into consecutive columns (join + reshape), adds the row's base and stores the tile.
+  Loads and stores go as wide vectors and no program loops, so this pass runs at memory speed.
+- scatter: one program per block of exception records writes them over the dense bytes. A record
+  does not name its expert; a binary search finds it among the experts' first records
+  `record_offsets[e * R / 16]` in a fixed log2(E) steps. The grid follows `records.numel()` (a
+  shape: no sync); words at or past `record_offsets[-1]` are ignored, and a tensor without
+  exceptions launches no scatter.
+
+Integer-only, so it is bit-exact with the torch decoder for every input, NaN scale bytes included.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from libkk.errors import LibkkError
@@ -24,7 +35,9 @@ _POSITION_BITS_K = tl.constexpr(POSITION_BITS)
 _POSITION_MASK_K = tl.constexpr((1 << POSITION_BITS) - 1)
 # kind -> bits per packed offset (docs/csf.md)
 OFFSET_BITS = {"mxfp4": 1, "nvfp4": 4}
-RECORD_BLOCK = 256
+# Output bytes per dense program: 64 per thread of 4 warps (16-byte stores), under 50 registers.
+DENSE_TILE = 8192
+RECORD_BLOCK = 1024  # records per scatter program
 
 
 class CsfKernelError(LibkkError, ValueError):
@@ -32,47 +45,75 @@ class CsfKernelError(LibkkError, ValueError):
 
 
 @jit
-def _csf_expand_kernel(
+def _split_fields(x, W: tl.constexpr):
+    """[N, M] fields of 2W bits -> [N, 2M]: each one's low W bits, then its high W bits."""
+    mask: tl.constexpr = (1 << W) - 1
+    return tl.reshape(tl.join(x & mask, (x >> W) & mask), (x.shape[0], 2 * x.shape[1]))
+
+
+@jit
+def _csf_expand_dense_kernel(
     base_ptr,
     off_ptr,
+    out_ptr,
+    N: tl.constexpr,  # rows of all experts, E * R
+    C: tl.constexpr,
+    P: tl.constexpr,  # packed bytes per row
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # packed bytes per program and row, a power of two
+):
+    # Rows of all experts are one [E * R, C] matrix here; only records care about experts.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < N
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    packed = tl.load(
+        off_ptr + rows.to(tl.int64)[:, None] * P + p[None, :],
+        mask=rmask[:, None] & (p < P)[None, :],
+        other=0,
+    )  # uint8 [ROWS, BLOCK_P], contiguous runs of each row
+    # Column c is field c % (8 / BITS) of byte c // (8 / BITS), least significant first: halving
+    # the field width and interleaving halves keeps that order at every step.
+    fields = _split_fields(packed, 4)
+    if BITS <= 2:
+        fields = _split_fields(fields, 2)
+    if BITS == 1:
+        fields = _split_fields(fields, 1)
+    cols = tl.program_id(1) * (BLOCK_P * (8 // BITS)) + tl.arange(0, BLOCK_P * (8 // BITS))
+    base = tl.load(base_ptr + rows, mask=rmask, other=0)
+    value = base[:, None] + fields  # uint8: wraps like the torch decoder's cast
+    # Padding fields (C below P * fields per byte, or below the power of two) are masked off.
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+        value,
+        mask=rmask[:, None] & (cols < C)[None, :],
+    )
+
+
+@jit
+def _csf_expand_scatter_kernel(
     rec_ptr,
     rec_off_ptr,
     out_ptr,
-    R: tl.constexpr,
-    C: tl.constexpr,
-    P: tl.constexpr,  # packed bytes per row
-    C_PAD: tl.constexpr,
-    BITS: tl.constexpr,
-    SLAB: tl.constexpr,
-    MAX_REC: tl.constexpr,  # power of two >= the most records any slab holds
-    REC_BLOCK: tl.constexpr,
+    E: tl.constexpr,
+    SLABS: tl.constexpr,  # slabs per expert, R / 16
+    RC: tl.constexpr,  # bytes per expert, R * C
+    STEPS: tl.constexpr,  # binary search steps: 2**STEPS >= E
+    BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)  # expert * (R / SLAB) + slab
-    slabs: tl.constexpr = R // SLAB
-    expert = pid // slabs
-    slab = pid % slabs
-    rows = slab * SLAB + tl.arange(0, SLAB)  # [SLAB] row within the expert
-    cols = tl.arange(0, C_PAD)
-    cmask = cols < C
-    base = tl.load(base_ptr + expert * R + rows).to(tl.int32)  # [SLAB]
-    bit = cols * BITS
-    byte_ptrs = off_ptr + (expert * R + rows)[:, None] * P + (bit // 8)[None, :]
-    packed = tl.load(byte_ptrs, mask=cmask[None, :], other=0).to(tl.int32)  # [SLAB, C_PAD]
-    field = (packed >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-    value = (base[:, None] + field) & 0xFF
-    out_base = out_ptr + expert * (R * C)
-    tl.store(out_base + rows[:, None] * C + cols[None, :], value.to(tl.uint8), mask=cmask[None, :])
-    # Exceptions overwrite bytes other threads of this program just wrote.
-    tl.debug_barrier()
-    start = tl.load(rec_off_ptr + pid)
-    end = tl.load(rec_off_ptr + pid + 1)
-    for i in range(0, MAX_REC, REC_BLOCK):
-        idx = start + i + tl.arange(0, REC_BLOCK)
-        rmask = idx < end
-        word = tl.load(rec_ptr + idx, mask=rmask, other=0)
-        pos = word & _POSITION_MASK_K
-        val = (word >> _POSITION_BITS_K) & 0xFF  # arithmetic shift: mask the sign copies away
-        tl.store(out_base + pos, val.to(tl.uint8), mask=rmask)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rmask = idx < tl.load(rec_off_ptr + E * SLABS)
+    word = tl.load(rec_ptr + idx, mask=rmask, other=0)
+    # Expert of record idx: the last e with record_offsets[e * SLABS] <= idx (empty experts share
+    # their start with the next one, so the last such e is the one that holds the record).
+    expert = tl.zeros((BLOCK,), tl.int32)
+    for s in tl.static_range(STEPS - 1, -1, -1):
+        probe = expert + (1 << s)
+        start = tl.load(rec_off_ptr + probe * SLABS, mask=probe < E, other=0)
+        expert = tl.where((probe < E) & (start <= idx), probe, expert)
+    pos = word & _POSITION_MASK_K
+    val = (word >> _POSITION_BITS_K) & 0xFF  # arithmetic shift: mask the sign copies away
+    tl.store(out_ptr + expert.to(tl.int64) * RC + pos, val.to(tl.uint8), mask=rmask)
 
 
 def _check(
@@ -111,10 +152,9 @@ def csf_expand(
     kind: str,  # "mxfp4" | "nvfp4"
     base: torch.Tensor,  # [E, R] uint8
     offsets: torch.Tensor,  # [E, R, P] uint8
-    records: torch.Tensor,  # [M] int32: position | value << 24
-    record_offsets: torch.Tensor,  # [E * R / 16 + 1] int64, prefix over (expert, slab)
+    records: torch.Tensor,  # [M] int32: position | value << 24 (words past O[-1] are ignored)
+    record_offsets: torch.Tensor,  # [E * R / 16 + 1] int64 O, prefix over (expert, slab)
     out: torch.Tensor,  # [E, R, C] uint8, written whole
-    max_records_per_slab: int,  # the most records of any (expert, slab): sizes the record loop
 ) -> None:
     """Decodes CSF scale bytes into `out`, bit-exact with `libkk.quant.csf.decode_csf`."""
     _check(kind, base, offsets, records, record_offsets, out)
@@ -122,27 +162,32 @@ def csf_expand(
     e, r, c = out.shape
     if out.numel() == 0:
         return
-    max_rec = next_pow2(max(max_records_per_slab, 1))
-    _csf_expand_kernel[(e * r // SLAB_ROWS,)](
-        base,
-        offsets,
-        records if records.numel() else record_offsets.new_zeros(1, dtype=torch.int32),
-        record_offsets,
-        out,
-        R=r,
-        C=c,
-        P=offsets.shape[2],
-        C_PAD=next_pow2(c),
-        BITS=OFFSET_BITS[kind],
-        SLAB=SLAB_ROWS,
-        MAX_REC=max(max_rec, RECORD_BLOCK),
-        REC_BLOCK=RECORD_BLOCK,
-        num_warps=4,
+    bits = OFFSET_BITS[kind]
+    per_byte = 8 // bits
+    p = offsets.shape[2]
+    # Whole rows per program while they fit the tile; very wide rows split into column blocks.
+    block_p = min(next_pow2(p), max(DENSE_TILE // per_byte, 1))
+    rows = max(DENSE_TILE // (block_p * per_byte), 1)
+    grid = (triton.cdiv(e * r, rows), triton.cdiv(p, block_p))
+    _csf_expand_dense_kernel[grid](
+        base, offsets, out, N=e * r, C=c, P=p, BITS=bits, ROWS=rows, BLOCK_P=block_p, num_warps=4
     )
+    if records.numel():  # stream order puts the records over the dense bytes
+        _csf_expand_scatter_kernel[(triton.cdiv(records.numel(), RECORD_BLOCK),)](
+            records,
+            record_offsets,
+            out,
+            E=e,
+            SLABS=r // SLAB_ROWS,
+            RC=r * c,
+            STEPS=(e - 1).bit_length(),
+            BLOCK=RECORD_BLOCK,
+            num_warps=4,
+        )
 
 
 @csf_expand.register_fake
-def _(kind, base, offsets, records, record_offsets, out, max_records_per_slab) -> None:
+def _(kind, base, offsets, records, record_offsets, out) -> None:
     return None
 
 
@@ -153,7 +198,6 @@ def csf_expand_ref(
     records: torch.Tensor,
     record_offsets: torch.Tensor,
     out: torch.Tensor,
-    max_records_per_slab: int = 0,
 ) -> None:
     """Torch reference of `csf_expand` (the same steps as the docs/csf.md decoder)."""
     _check(kind, base, offsets, records, record_offsets, out)
@@ -171,10 +215,3 @@ def csf_expand_ref(
         words = records.to(torch.int64) & 0xFFFFFFFF
         pos = words & ((1 << POSITION_BITS) - 1)
         out.view(e, r * c)[expert.to(out.device), pos] = (words >> POSITION_BITS).to(torch.uint8)
-
-
-def max_records_per_slab(record_offsets: torch.Tensor) -> int:
-    """The `max_records_per_slab` argument for a tensor's record offsets (read once, at load)."""
-    if record_offsets.numel() < 2:
-        return 0
-    return int((record_offsets[1:] - record_offsets[:-1]).max())

@@ -45,7 +45,7 @@ from torch import nn
 from libkk.dist import get_tp_rank
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.kernels._jit import INTERPRETED
-from libkk.kernels.csf import csf_expand, max_records_per_slab
+from libkk.kernels.csf import csf_expand
 from libkk.kernels.moe import (
     GROUP,
     fused_moe_w4a8,
@@ -430,26 +430,19 @@ class _CsfPlanes:
     offsets: torch.Tensor
     records: torch.Tensor
     record_offsets: torch.Tensor
-    max_records: int
 
     @classmethod
     def from_tensor(cls, t: CSFTensor, device: torch.device) -> _CsfPlanes:
-        records = t.records if t.num_exceptions else torch.zeros(1, dtype=torch.int32)
         return cls(
             t.kind,
             t.base.to(device),
             t.offsets.to(device),
-            records.to(device),
+            t.records.to(device),
             t.record_offsets.to(device),
-            max_records_per_slab(t.record_offsets),
         )
 
     def expand(self, out: torch.Tensor) -> None:
-        # `records` always holds at least one word, so the op allocates nothing (graph replay).
-        csf_expand(
-            self.kind, self.base, self.offsets, self.records, self.record_offsets, out,
-            self.max_records,
-        )  # fmt: skip
+        csf_expand(self.kind, self.base, self.offsets, self.records, self.record_offsets, out)
 
 
 def _merge_csf(blocks_by_expert: list[list[CSFTensor]], kind: str) -> CSFTensor:
