@@ -24,6 +24,31 @@ def cuda_seconds(fn, calls: int, repeats: int = 1, warmup: int = 1) -> list[floa
     return times
 
 
+def graph_seconds(fn, calls: int, repeats: int) -> list[float]:
+    """Seconds per call of `fn`: a CUDA graph of `calls` calls (captured after one warm-up call on
+    a side stream), one figure per replay, `repeats` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return times
+
+
 def time_cuda(fn, iters: int, warmup: int = 2) -> float:
     """Mean seconds per call of `fn` over `iters` back-to-back calls (`cuda_seconds`, one repeat)."""
     return cuda_seconds(fn, iters, warmup=warmup)[0]

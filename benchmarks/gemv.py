@@ -19,7 +19,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from floors import copy_bandwidth
+from floors import copy_bandwidth, graph_seconds
 from libkk.kernels.gemv import GemvConfig, gemv, gemv_config
 
 SHAPES = {  # name: (out, in, fused silu)
@@ -39,30 +39,6 @@ SWEEP = [GemvConfig(bn, bk, u, 1, w) for bn, bk, u, w in itertools.product(
     (2, 4, 8, 16), (256, 512), (1, 2, 4), (2, 4)) if bn * bk * u <= 16384] + [
     GemvConfig(bn, 256, 1, sp, w) for bn, sp, w in itertools.product(
         (4, 8, 16, 32), (2, 4, 8), (4, 8))]  # fmt: skip
-
-
-def graph_seconds(fn, repeats: int) -> list[float]:
-    """Seconds per call: a CUDA graph of CALLS calls, replayed `repeats` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return times
 
 
 def cycling(weights: list[torch.Tensor], call):
@@ -97,8 +73,8 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
 
     check(None)
     peer = statistics.median(graph_seconds(
-        cycling(weights, lambda w: cublas(x, w, silu)), args.repeats))  # fmt: skip
-    ours = graph_seconds(cycling(weights, lambda w: gemv(x, w, None, silu)), args.repeats)
+        cycling(weights, lambda w: cublas(x, w, silu)), CALLS, args.repeats))  # fmt: skip
+    ours = graph_seconds(cycling(weights, lambda w: gemv(x, w, None, silu)), CALLS, args.repeats)
     med = statistics.median(ours)
     row = {"shape": name, "mb": n * k * 2 / 1e6, "floor_us": floor_s * 1e6,
            "cublas_us": peer * 1e6, "libkk_us": med * 1e6,
@@ -114,7 +90,7 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
                 continue
             check(cfg)
             call = cycling(weights, lambda w, cfg=cfg: gemv(x, w, None, silu, cfg))
-            t = statistics.median(graph_seconds(call, 5))
+            t = statistics.median(graph_seconds(call, CALLS, 5))
             if best is None or t < best[0]:
                 best = (t, cfg)
         print(f"  sweep {name}: best {best[0] * 1e6:.2f} µs {tuple(best[1])}, "

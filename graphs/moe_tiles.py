@@ -105,22 +105,31 @@ def static_config(activations: str, num_tokens: int) -> TileConfig:
 
 def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     """The static choice first, then its neighbours: one tile axis halved or doubled (M tiles no
-    taller than the bucket needs, K steps no longer than the shorter reduction), the other warp
-    count, one pipeline stage more or fewer; for W4A16 decode buckets, whose static choice is the
-    pair-major path, gate_up split along K in 2 or 4, and the sorted path's decode tiles, which
-    win once pairs share experts."""
+    taller than the bucket needs, K steps no longer than the shorter reduction, or on the
+    pair-major path each kernel's own reduction), the other warp count, one pipeline stage more
+    or fewer; for W4A16 decode buckets, whose static choice is the pair-major path, gate_up
+    split along K in 2 or 4, and the sorted path's decode tiles, which win once pairs share
+    experts."""
     base = static_config(shape.activations, num_tokens)
+    pair_major = isinstance(base, MoeTileConfig) and base.block_m == PAIR_MAJOR
     max_m = max(16, min(128, next_pow2(num_tokens * shape.top_k)))
     max_k = min(256, next_pow2(min(shape.hidden, shape.intermediate)))
+    min_k = max(32, GROUP[shape.fmt])
     limits = {
         "block_m": (16, max_m),
-        "block_n": (4 if base.block_m == PAIR_MAJOR else 16, 256),
-        "block_k": (max(32, GROUP[shape.fmt]), max_k),
+        "block_n": (4 if pair_major else 16, 256),
+        "block_k": (min_k, max_k),
     }
+    if pair_major:  # gate_up's K is the hidden size; down has a tile of its own
+        limits["block_k"] = (min_k, min(2048, next_pow2(shape.hidden)))
+        limits["down_block_n"] = (4, 256)
     out: list[TileConfig] = [base]
     fields = asdict(base)
-    if "block_k" in fields and fields["block_k"] > max_k:  # neighbours step no longer than K
-        fields["block_k"] = max(limits["block_k"][0], max_k)
+    for name, (low, high) in limits.items():  # neighbours step no longer than K
+        if fields.get(name, 0) > high:
+            fields[name] = max(low, high)
+    if pair_major and (fields["down_block_k"] or fields["block_k"]) > max_k:
+        fields["down_block_k"] = max(min_k, max_k)  # down's K step, no longer than its K
 
     def add(**change: int) -> None:
         cfg = type(base)(**{**fields, **change})
@@ -129,20 +138,22 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
 
     add()  # the static choice fitted to K, when that differs
     for name, (low, high) in limits.items():
-        if name not in fields:
+        if not fields.get(name):  # absent, or a down field that follows gate_up's
             continue
         for value in (fields[name] // 2, fields[name] * 2):
             if low <= value <= high:
                 add(**{name: value})
     add(num_warps=8 if base.num_warps == 4 else 4)
+    if pair_major and fields["down_num_warps"]:
+        add(down_num_warps=8 if base.down_num_warps == 4 else 4)
     for stages in (base.num_stages - 1, base.num_stages + 1):
-        if 2 <= stages <= 4:
+        if 1 <= stages <= 4 and (stages > 1 or pair_major):  # the sorted path pipelines
             add(num_stages=stages)
-    if base.block_m == PAIR_MAJOR:  # a few pairs: more programs along gate_up's K
+    if pair_major:  # a few pairs: more programs along gate_up's K
         for splits in (2, 4):
             add(split_k=splits)
     if shape.activations == "w4a16" and num_tokens <= PAIR_MAJOR_MAX_TOKENS:
-        k_step = max(limits["block_k"][0], min(DECODE_CONFIG.block_k, max_k))
+        k_step = max(min_k, min(DECODE_CONFIG.block_k, max_k))
         out.append(replace(DECODE_CONFIG, block_k=k_step))
     return out
 

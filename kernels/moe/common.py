@@ -32,6 +32,20 @@ class MoeTileConfig:
     # Pair-major only: programs along gate_up's K per tile (more programs in flight for the few
     # pairs of a decode step); the tile's last one sums the partials in order.
     split_k: int = 1
+    # Pair-major only: the down kernel's own rows per program, K step and warps (0: gate_up's).
+    # gate_up reads the long rows of the hidden size, down the short rows of the intermediate
+    # size, and the two want different tiles (benchmarks/moe_pair_tiles.py).
+    down_block_n: int = 0
+    down_block_k: int = 0
+    down_num_warps: int = 0
+
+    def down_tile(self) -> tuple[int, int, int]:
+        """(block_n, block_k, num_warps) of the pair-major down kernel."""
+        return (
+            self.down_block_n or self.block_n,
+            self.down_block_k or self.block_k,
+            self.down_num_warps or self.num_warps,
+        )
 
 
 # Sorted path (experts' rows gathered into M tiles), measured on the H200 at the Qwen3-30B-A3B
@@ -49,11 +63,14 @@ LARGE_PREFILL_MIN_TOKENS = 4096
 PAIR_MAJOR = 1
 # Up to 16 tokens the pair-major path runs by default: on the H200 at the Qwen3-30B-A3B shape it
 # took half the sorted path's time at 1, 4 and 16 tokens (benchmarks/moe.py --sweep). Above, pairs
-# share experts often enough that reading each touched expert once wins. 8-row N tiles at 1-2
-# tokens, where 8-16 pairs need many programs to fill the SMs; 32-row tiles above.
+# share experts often enough that reading each touched expert once wins. At 1-2 tokens, where
+# 8-16 pairs need many programs to fill the SMs: gate_up on one warp per 4 rows with 1024-element
+# K steps (7.5 us at one token against 9.9 us for 8 rows, 256-element steps and 2 warps), down on
+# 32-row tiles (4.6 against 5.3 us; benchmarks/moe_pair_tiles.py); 32-row tiles for both above.
 PAIR_MAJOR_MAX_TOKENS = 16
-PAIR_DECODE_NARROW = MoeTileConfig(block_m=PAIR_MAJOR, block_n=8, block_k=256, num_warps=2,
-                                   num_stages=3)  # fmt: skip
+PAIR_DECODE_NARROW = MoeTileConfig(block_m=PAIR_MAJOR, block_n=4, block_k=1024, num_warps=1,
+                                   num_stages=1, down_block_n=32, down_block_k=256,
+                                   down_num_warps=4)  # fmt: skip
 PAIR_DECODE_CONFIG = MoeTileConfig(block_m=PAIR_MAJOR, block_n=32, block_k=256, num_warps=4,
                                    num_stages=3)  # fmt: skip
 

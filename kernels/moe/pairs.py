@@ -237,9 +237,7 @@ def _fused_moe_w4a16_pairs(
     ids = topk_ids.contiguous().view(-1)
     a = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    common = dict(GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps),
+    common = dict(GROUP=GROUP[fmt], IS_NVFP4=fmt == "nvfp4", num_stages=cfg.num_stages,
                   **pdl_args(x.device))  # fmt: skip
     pairs, tiles, splits = num_tokens * top_k, -(-inter // cfg.block_n), cfg.split_k
     part, counts = a, ids  # unread with one split
@@ -250,11 +248,16 @@ def _fused_moe_w4a16_pairs(
         x, w13, w13_scale, w13_global, ids, a, part, counts,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         a.stride(0), N=inter, K=hidden, TOP_K=top_k,
-        EVEN_K=hidden % (splits * cfg.block_k) == 0, SPLIT_K=splits, **common,
+        EVEN_K=hidden % (splits * cfg.block_k) == 0, SPLIT_K=splits, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps), **common,
     )  # fmt: skip
-    _down_gemv_kernel[(pairs, -(-hidden // cfg.block_n))](
+    down_n, down_k, down_warps = cfg.down_tile()
+    _down_gemv_kernel[(pairs, -(-hidden // down_n))](
         a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), y,
         a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), N=hidden, K=inter, EVEN_K=inter % cfg.block_k == 0, **common,
+        y.stride(0), N=hidden, K=inter, EVEN_K=inter % down_k == 0, BLOCK_N=down_n,
+        BLOCK_K=down_k, num_warps=down_warps, USE_PTX=_ptx_decode(down_n, down_k, down_warps),
+        **common,
     )  # fmt: skip
     return y.view(num_tokens, top_k, -1)

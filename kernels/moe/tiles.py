@@ -17,6 +17,8 @@ from .common import FORMATS, PAIR_MAJOR, MoeTileConfig, W4A8TileConfig, _err
 # and a bisect (eagerly, or inside `fused_moe_w4a16_measured` under torch.compile).
 
 ACTIVATIONS = ("w4a16", "w4a8")
+# MoeTileConfig fields of the pair-major down kernel's own tile, where 0 means gate_up's value.
+DOWN_FIELDS = ("down_block_n", "down_block_k", "down_num_warps")
 
 
 class MoeShape(NamedTuple):
@@ -52,14 +54,18 @@ def check_tile_config(activations: str, config: TileConfig) -> None:
     if type(config) is not kind:
         raise _err(f"{activations} tiles need a {kind.__name__}, got {config!r}")
     for name, value in vars(config).items():
-        if type(value) is not int or value < 1:
-            raise _err(f"{name} must be a positive int, got {value!r}")
-    powers = ("block_m", "block_n", "block_k", "num_warps")
+        lowest = 0 if name in DOWN_FIELDS else 1  # 0: the down kernel takes gate_up's value
+        if type(value) is not int or value < lowest:
+            raise _err(f"{name} must be an int >= {lowest}, got {value!r}")
+    powers = ("block_m", "block_n", "block_k", "num_warps", *DOWN_FIELDS)
     for name in (n for n in powers if hasattr(config, n)):
         value = getattr(config, name)
         if value & (value - 1):
             raise _err(f"{name} must be a power of two, got {value}")
     pair_major = isinstance(config, MoeTileConfig) and config.block_m == PAIR_MAJOR
+    if isinstance(config, MoeTileConfig) and not pair_major:
+        if any(getattr(config, name) for name in DOWN_FIELDS):
+            raise _err(f"a down kernel tile of its own is for the pair-major path only: {config}")
     if config.block_m < 16 and not pair_major:
         raise _err(
             f"block_m must be >= 16 (tl.dot's minimum) or {PAIR_MAJOR} (W4A16 pair-major), "
@@ -70,8 +76,8 @@ def check_tile_config(activations: str, config: TileConfig) -> None:
         raise _err(f"split_k must be a power of two, above 1 only on the pair-major path: {config}")
     if config.block_n < 16 and not pair_major:
         raise _err(f"block_n must be >= 16 (tl.dot's minimum) on M tiles, got {config.block_n}")
-    if isinstance(config, MoeTileConfig) and config.block_k < 32:
-        raise _err(f"block_k must be >= 32, got {config.block_k}")
+    if isinstance(config, MoeTileConfig) and min(config.block_k, config.down_tile()[1]) < 32:
+        raise _err(f"block_k and down_block_k must be >= 32: {config}")
 
 
 def install_tile_choice(shape: MoeShape, bucket: int, config: TileConfig) -> None:

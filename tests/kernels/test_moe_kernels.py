@@ -297,6 +297,30 @@ def test_pair_major_gate_up_split_along_k(shape, splits):
     assert torch.equal(M.fused_moe_w4a16_routed(*args, split), got)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_pair_major_down_kernel_takes_a_tile_of_its_own(fmt):
+    """A pair-major config's down_* fields set the down kernel's rows, K step and warps apart
+    from gate_up's (gate_up in one 128-long step here, down in 32-long ones): the shared tile's
+    result up to fp32 association."""
+    t, e, k, hidden, inter = 2, 8, 4, 128, 96
+    w13, s13, g13, w2, s2, g2 = random_layer(e, hidden, inter, fmt, seed=17)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(t, hidden, generator=gen).to(DEVICE, torch.float32)
+    weights, ids = M.moe_topk_routing_ref(torch.randn(t, e, generator=gen).to(DEVICE), k, True)
+    args = (x, w13, s13, g13, w2, s2, g2, weights, ids, fmt)
+    shared = M.MoeTileConfig(M.PAIR_MAJOR, 16, 32, 4, 1)
+    own = M.MoeTileConfig(M.PAIR_MAJOR, 4, 128, 1, 1, down_block_n=32, down_block_k=32,
+                          down_num_warps=2)  # fmt: skip
+    M.check_tile_config("w4a16", own)
+    assert own.down_tile() == (32, 32, 2) and shared.down_tile() == (16, 32, 4)
+    want = M.fused_moe_w4a16_routed(*args, shared)
+    got = M.fused_moe_w4a16_routed(*args, own)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    ref = M.fused_moe_w4a16_ref(*args)
+    torch.testing.assert_close(got.sum(dim=1), ref, rtol=1e-4, atol=1e-4 * scale)
+
+
 def test_split_k_is_a_pair_major_power_of_two():
     with pytest.raises(M.MoeKernelError, match="split_k"):
         M.check_tile_config("w4a16", M.MoeTileConfig(M.PAIR_MAJOR, 16, 64, 4, 1, split_k=3))

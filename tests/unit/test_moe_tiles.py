@@ -85,6 +85,10 @@ def test_lookup_takes_the_smallest_installed_bucket_at_or_above_the_count():
         (SHAPE, 1, M.MoeTileConfig(16, 48, 64, 4, 3)),  # block_n not a power of two
         (SHAPE, 1, M.MoeTileConfig(16, 32, 16, 4, 3)),  # block_k below 32
         (SHAPE, 1, M.MoeTileConfig(16, 32, 64, 4, 0)),
+        (SHAPE, 1, M.MoeTileConfig(16, 32, 64, 4, 3, down_block_n=32)),  # sorted: no down tile
+        (SHAPE, 1, M.MoeTileConfig(M.PAIR_MAJOR, 8, 64, 2, 1, down_block_n=24)),
+        (SHAPE, 1, M.MoeTileConfig(M.PAIR_MAJOR, 8, 64, 2, 1, down_block_k=16)),
+        (SHAPE, 1, M.MoeTileConfig(M.PAIR_MAJOR, 8, 64, 2, 1, down_num_warps=-4)),
         (tuple(SHAPE), 1, A),  # a plain tuple is not a MoeShape
     ],
 )
@@ -235,8 +239,12 @@ def test_candidates_start_with_the_static_choice_and_are_valid():
             for cfg in cands:
                 M.check_tile_config(shape.activations, cfg)
                 if isinstance(cfg, M.MoeTileConfig) and cfg != cands[0]:  # neighbours only
-                    assert cfg.block_k <= max(32, min(shape.hidden, shape.intermediate))
-                    assert cfg.block_k >= M.GROUP[shape.fmt]
+                    # K steps no longer than the reduction they step along: on the pair-major
+                    # path gate_up's is the hidden size and down's the intermediate size
+                    shorter = max(32, min(shape.hidden, shape.intermediate))
+                    gate_up_k = shape.hidden if cfg.block_m == M.PAIR_MAJOR else shorter
+                    assert M.GROUP[shape.fmt] <= cfg.block_k <= gate_up_k
+                    assert M.GROUP[shape.fmt] <= cfg.down_tile()[1] <= shorter
     # one token at top-2 fills at most two rows of a tile: no taller M tiles than 16
     assert all(c.block_m in (16, M.PAIR_MAJOR) for c in candidate_configs(SHAPE, 1))
 
