@@ -31,6 +31,8 @@ from libkk.kernels._jit import next_pow2
 from libkk.kernels.moe import (
     DECODE_CONFIG,
     GROUP,
+    PAIR_DECODE_CONFIG,
+    PAIR_DECODE_NARROW,
     PAIR_MAJOR,
     PAIR_MAJOR_MAX_TOKENS,
     W4A8_PREFILL_CONFIG,
@@ -108,8 +110,8 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     taller than the bucket needs, K steps no longer than the shorter reduction, or on the
     pair-major path each kernel's own reduction), the other warp count, one pipeline stage more
     or fewer; for W4A16 decode buckets, whose static choice is the pair-major path, gate_up
-    split along K in 2 or 4, and the sorted path's decode tiles, which win once pairs share
-    experts."""
+    split along K in 2 or 4, the other static pair-major tile, and the sorted path's decode
+    tiles, which win once pairs share experts."""
     base = static_config(shape.activations, num_tokens)
     pair_major = isinstance(base, MoeTileConfig) and base.block_m == PAIR_MAJOR
     max_m = max(16, min(128, next_pow2(num_tokens * shape.top_k)))
@@ -124,12 +126,18 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
         limits["block_k"] = (min_k, min(2048, next_pow2(shape.hidden)))
         limits["down_block_n"] = (4, 256)
     out: list[TileConfig] = [base]
-    fields = asdict(base)
-    for name, (low, high) in limits.items():  # neighbours step no longer than K
-        if fields.get(name, 0) > high:
-            fields[name] = max(low, high)
-    if pair_major and (fields["down_block_k"] or fields["block_k"]) > max_k:
-        fields["down_block_k"] = max(min_k, max_k)  # down's K step, no longer than its K
+
+    def fitted(config: TileConfig) -> dict[str, int]:
+        """The config's fields with each K step no longer than the K it steps along."""
+        fields = asdict(config)
+        for name, (low, high) in limits.items():
+            if fields.get(name, 0) > high:
+                fields[name] = max(low, high)
+        if pair_major and (fields["down_block_k"] or fields["block_k"]) > max_k:
+            fields["down_block_k"] = max(min_k, max_k)
+        return fields
+
+    fields = fitted(base)
 
     def add(**change: int) -> None:
         cfg = type(base)(**{**fields, **change})
@@ -152,6 +160,10 @@ def candidate_configs(shape: MoeShape, num_tokens: int) -> list[TileConfig]:
     if pair_major:  # a few pairs: more programs along gate_up's K
         for splits in (2, 4):
             add(split_k=splits)
+        # the other token range's static pair-major tile (few rows and long K steps for gate_up
+        # at one or two tokens, 32-row tiles above), which may win on either side of the line
+        other = PAIR_DECODE_CONFIG if base == PAIR_DECODE_NARROW else PAIR_DECODE_NARROW
+        add(**fitted(other))
     if shape.activations == "w4a16" and num_tokens <= PAIR_MAJOR_MAX_TOKENS:
         k_step = max(min_k, min(DECODE_CONFIG.block_k, max_k))
         out.append(replace(DECODE_CONFIG, block_k=k_step))

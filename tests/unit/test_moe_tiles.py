@@ -229,13 +229,16 @@ def test_candidates_start_with_the_static_choice_and_are_valid():
         for t in (1, 4, 64, 128, 4096):
             cands = candidate_configs(shape, t)
             assert cands[0] == static_config(shape.activations, t)
-            assert len(cands) == len(set(cands)) and 3 <= len(cands) <= 12
+            assert len(cands) == len(set(cands)) and 3 <= len(cands) <= 13
             pair_major = [c for c in cands if c.block_m == M.PAIR_MAJOR]
             decode = shape.activations == "w4a16" and t <= M.PAIR_MAJOR_MAX_TOKENS
             assert len(pair_major) == (len(cands) - 1 if decode else 0)
             if decode:  # the sorted path's decode tiles (K step fitted) compete too
                 sorted_ = cands[-1]
                 assert (sorted_.block_m, sorted_.block_n) == (16, M.DECODE_CONFIG.block_n)
+                # and so does the other token range's static pair-major tile
+                other = M.PAIR_DECODE_CONFIG if t <= 2 else M.PAIR_DECODE_NARROW
+                assert (other.block_n, other.num_warps) in {(c.block_n, c.num_warps) for c in cands}
             for cfg in cands:
                 M.check_tile_config(shape.activations, cfg)
                 if isinstance(cfg, M.MoeTileConfig) and cfg != cands[0]:  # neighbours only
