@@ -32,7 +32,8 @@ from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_valu
 # the tile tuner measures both. The weight tile is [BN, BK/2] bytes with K contiguous (rows of
 # the checkpoint's layout), each scale group's partial sum is taken in fp32 and multiplied by its
 # scale once. gate_up's grid has a third axis, its K split (`split_k`, joined as
-# kernels/split_join.py describes).
+# kernels/split_join.py describes). The two kernels take separate tiles (the config's down_*
+# fields): gate_up's rows are as long as the hidden size, down's as the intermediate size.
 
 
 @jit
