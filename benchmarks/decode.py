@@ -16,6 +16,8 @@ plus the KV cache.
 `--experts nvfp4|mxfp4` (MoE shapes) writes the experts pre-quantized (`libkk quantize`'s
 format, quantized from the random bf16 weights on the GPU); transformers cannot run those
 checkpoints, so that case has no peer row.
+Packed-expert runs print (and record) the MoE tile choices the runner installed for each layer
+shape and token bucket, so a result says which tiles its steps ran.
 """
 
 from __future__ import annotations
@@ -197,6 +199,21 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(2, vocab, (batch, length), generator=g).tolist()
 
 
+def moe_tiles() -> list[str]:
+    """The MoE tile choices the session's runner installed (measured at start-up or read from
+    the artifact cache), one line per layer shape: which tiles the timed steps ran."""
+    from dataclasses import astuple
+
+    from libkk.kernels.moe import installed_tile_choices
+
+    return [
+        f"MoE tiles {shape.fmt} {shape.activations} e{shape.num_experts} h{shape.hidden} "
+        f"i{shape.intermediate} top{shape.top_k}: "
+        + "; ".join(f"<={bucket}: {astuple(cfg)}" for bucket, cfg in sorted(choices.items()))
+        for shape, choices in installed_tile_choices().items()
+    ]
+
+
 def bench_libkk(
     path: Path,
     batch: int,
@@ -219,6 +236,9 @@ def bench_libkk(
         progress=False,
     ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
+        tiles = moe_tiles()
+        for line in tiles:
+            print(line, flush=True)
         s.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
         steps = []
         for _ in range(repeats):
@@ -232,6 +252,7 @@ def bench_libkk(
         "ms_per_step": [t * 1e3 for t in steps],
         "weights_bytes": weights,
         "async_scheduling": launched_ahead,
+        "moe_tiles": tiles,
     }
 
 
@@ -319,6 +340,7 @@ def main() -> None:
             "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
             "floor_ms": floor_ms,
             "async_scheduling": kk["async_scheduling"],
+            "moe_tiles": kk["moe_tiles"],
         }
         print(json.dumps(row), flush=True)
         if not args.no_peer:
