@@ -133,7 +133,7 @@ def main() -> None:
                     first = got if first is None else first
                     error = ((got - first).norm() / first.norm()).item()
                 # µs per launch: one launch per layer copy, ten per replay, 7 replays
-                times = [1e6 * t / COPIES for t in graph_seconds(run, calls=10, repeats=7)]
+                times = [1e6 * s / COPIES for s in graph_seconds(run, calls=10, repeats=7)]
                 us = statistics.median(times)
                 floor_us = t * TOP_K * per_pair[kernel.split()[0]] / bandwidth * 1e6
                 rows.append(dict(tokens=t, kernel=kernel, tile=tile, us=us, min=min(times),
