@@ -23,7 +23,9 @@ import statistics
 import torch
 import triton.language as tl
 from floors import copy_bandwidth, graph_seconds
-from libkk.kernels._jit import jit, wait_for_previous
+from libkk.kernels._jit import jit, pdl_args, wait_for_previous
+from libkk.kernels.moe.dequant import _ptx_decode
+from libkk.kernels.moe.pairs import _down_gemv_kernel, _gate_up_gemv_kernel
 from moe import COPIES, DEV, HIDDEN, INTER, TOP_K, quantized_layer, routing
 
 GATE_UP_TILES = [(4, 1024, 1), (4, 2048, 2), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
@@ -58,13 +60,10 @@ def _gate_up_bytes_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, stride_we, stride_wn, 
 
 def kernel_runner(kernel: str, layers, inputs, tile):
     """One launch per layer copy of `kernel` with `tile` = (block_n, block_k, num_warps)."""
-    from libkk.kernels._jit import pdl_args
-    from libkk.kernels.moe.dequant import _ptx_decode
-    from libkk.kernels.moe.pairs import _down_gemv_kernel, _gate_up_gemv_kernel
-
     bn, bk, warps = tile
-    opts = dict(GROUP=16, IS_NVFP4=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1,
-                USE_PTX=_ptx_decode(bn, bk, warps), **pdl_args(torch.device(DEV)))  # fmt: skip
+    launch = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1,
+                  **pdl_args(torch.device(DEV)))  # fmt: skip
+    opts = dict(GROUP=16, IS_NVFP4=True, USE_PTX=_ptx_decode(bn, bk, warps), **launch)
 
     def run():
         for layer, (x, w, ids, a, out) in zip(layers, inputs, strict=True):
@@ -72,8 +71,7 @@ def kernel_runner(kernel: str, layers, inputs, tile):
                 w13, s13 = layer["w13"].view(torch.int32), layer["s13"]
                 _gate_up_bytes_kernel[(ids.numel(), INTER // bn)](
                     w13, s13, ids, out, w13.stride(0), w13.stride(1), s13.stride(0),
-                    s13.stride(1), N=INTER, K=HIDDEN, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                    num_stages=1, **pdl_args(torch.device(DEV)),
+                    s13.stride(1), N=INTER, K=HIDDEN, **launch,
                 )  # fmt: skip
             elif kernel == "gate_up":
                 w13, s13, g13 = layer["w13"], layer["s13"], layer["g13"]
