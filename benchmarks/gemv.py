@@ -7,10 +7,6 @@ graph is replayed `--repeats` times and the median per call is reported with its
 `--sweep` also times a grid of block configurations at one token and prints the best next to the
 one `gemv_config` picks, the check on its heuristic.
 
-A second table times the projections that follow a norm as a decode step runs them: the
-residual add + RMSNorm kernel, then the GEMV, against the GEMV that normalizes its input itself
-(`NormInput`), at the configuration `gemv_config` picks and at other row blocks.
-
     python benchmarks/gemv.py [--sweep] [--out FILE.json]
 """
 
@@ -24,8 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 from floors import copy_bandwidth, graph_seconds
-from libkk.kernels.gemv import GemvConfig, NormInput, gemv, gemv_config
-from libkk.kernels.norm import add_rms_norm
+from libkk.kernels.gemv import GemvConfig, gemv, gemv_config
 
 SHAPES = {  # name: (out, in, fused silu)
     "8b qkv": (6144, 4096, False),
@@ -103,42 +98,6 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
     return row
 
 
-NORMED_SHAPES = ("8b qkv", "8b gate_up+silu", "30b qkv", "30b router")
-
-
-def time_normed(name: str, args) -> dict:
-    """add_rms_norm then the GEMV, against the GEMV with the norm inside, in one CUDA graph."""
-    n, k, silu = SHAPES[name]
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-               for _ in range(COPIES)]  # fmt: skip
-    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    norm_w = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    normed, summed = torch.empty_like(x), torch.empty_like(x)
-    norm = NormInput(residual, norm_w, 1e-6, normed, summed)
-
-    def separate(w):
-        return gemv(add_rms_norm(x, residual, norm_w, 1e-6)[0], w, None, silu)
-
-    want = separate(weights[0])
-    base = statistics.median(graph_seconds(cycling(weights, separate), CALLS, args.repeats))
-    row = {"shape": name, "separate_us": base * 1e6, "fused_us": {}}
-    default = gemv_config(n, k, silu)
-    configs = [default] + [default._replace(block_n=bn) for bn in (4, 8, 16, 32)
-                           if bn != default.block_n]  # fmt: skip
-    for cfg in configs:
-        got = gemv(x, weights[0], None, silu, cfg, norm=norm)
-        assert torch.equal(summed, x + residual), name
-        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        assert err < 2e-2, f"{name} {cfg}: relative error {err:.3g}"
-        call = cycling(weights, lambda w, cfg=cfg: gemv(x, w, None, silu, cfg, norm=norm))
-        row["fused_us"][str(tuple(cfg))] = statistics.median(
-            graph_seconds(call, CALLS, args.repeats)) * 1e6  # fmt: skip
-    fused = row["fused_us"][str(tuple(default))]
-    best_cfg, best = min(row["fused_us"].items(), key=lambda kv: kv[1])
-    print(f"{name:<17}{base * 1e6:>12.2f}{fused:>10.2f}{best:>10.2f}  {best_cfg}", flush=True)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -154,15 +113,9 @@ def main() -> None:
     for name, (n, k, silu) in SHAPES.items():
         rows_out.append(time_shape(name, n, k, silu, args, bandwidth))
         torch.cuda.empty_cache()
-    print(f"\n{'norm + GEMV':<17}{'separate µs':>12}{'fused µs':>10}{'best µs':>10}  best config")
-    normed_rows = []
-    for name in NORMED_SHAPES:
-        normed_rows.append(time_normed(name, args))
-        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"bandwidth": bandwidth, "rows": rows_out, "normed": normed_rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump({"bandwidth": bandwidth, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
+from ._jit import check_device, jit, pdl_args, wait_for_previous
 from .activation import silu_and_mul, silu_and_mul_ref
-from .norm import norm_out_dtype, add_rms_norm, add_rms_norm_ref
 from .split_join import arrival_counts, arrive, sum_partials
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,17 +68,10 @@ def _gemv_kernel(
     out_ptr,  # [N]
     part_ptr,  # SPLITS > 1: fp32 [SPLITS, N] partial sums
     count_ptr,  # SPLITS > 1: int32 arrival count per row block, zero between launches
-    residual_ptr,  # NORM: [K], added to x before the norm
-    norm_w_ptr,  # NORM: [K]
-    normed_ptr,  # NORM: [K], the product's input, written by the first program
-    summed_ptr,  # NORM: [K], x + residual, written by the first program
     N,
     K,
     k_per_split,
     stride_w,
-    eps,
-    NORM: tl.constexpr,  # the input is add_rms_norm(x, residual), computed by every program
-    BLOCK_H: tl.constexpr,  # NORM: next_pow2(K)
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -92,12 +84,6 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    rstd = 0.0
-    if NORM:
-        rstd = _norm_prologue(
-            x_ptr, residual_ptr, norm_w_ptr, normed_ptr, summed_ptr, K, eps,
-            (pid_n == 0) & (tl.program_id(1) == 0), BLOCK_H,
-        )  # fmt: skip
     acc = tl.zeros((BLOCK_N,), tl.float32)
     acc_up = tl.zeros((BLOCK_N,), tl.float32)
     k_start = 0
@@ -117,12 +103,7 @@ def _gemv_kernel(
                 w_up = tl.load(
                     w_ptr + (n[:, None] + N) * stride_w + ks[None, :], mask=w_mask, other=0.0
                 )
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-            if NORM:  # this step's inputs normalized again (L2 reads), as the prologue did
-                r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
-                g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
-                x = _normalized(_summed(x, r), rstd, g, normed_ptr.dtype.element_ty)
-            x = x.to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if SILU_MUL:
                 acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
@@ -145,42 +126,6 @@ def _gemv_kernel(
         tl.store(out_ptr + n, acc.to(out_ty), mask=n_mask)
 
 
-@jit
-def _summed(x, r):
-    """x + residual, rounded to x's dtype (as kernels/norm.py's add)."""
-    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-
-
-@jit
-def _normalized(h, rstd, g, out_ty):
-    """g * (h * rstd), the normalized value rounded to h's dtype before the weight multiply (as
-    kernels/norm.py's kernel)."""
-    y = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-    return (g.to(tl.float32) * y).to(out_ty)
-
-
-@jit
-def _norm_prologue(
-    x_ptr, residual_ptr, norm_w_ptr, normed_ptr, summed_ptr, K, eps, first, BLOCK_H: tl.constexpr
-):
-    """1 / rms(x + residual) over the whole row; the first program also stores the sum and the
-    normalized row (the residual stream and the norm's output for other consumers)."""
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < K
-    h = _summed(
-        tl.load(x_ptr + cols, mask=mask, other=0.0),
-        tl.load(residual_ptr + cols, mask=mask, other=0.0),
-    )
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    if first:
-        tl.store(summed_ptr + cols, h, mask=mask)
-        g = tl.load(norm_w_ptr + cols, mask=mask, other=0.0)
-        out_ty = normed_ptr.dtype.element_ty
-        tl.store(normed_ptr + cols, _normalized(h, rstd, g, out_ty), mask=mask)
-    return rstd
-
-
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV kernel takes this product (else F.linear)."""
     return (
@@ -194,30 +139,18 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-class NormInput(NamedTuple):
-    """A GEMV whose input is add_rms_norm(x, residual, weight, eps): every program normalizes
-    the row itself, and the first stores the sum and the normalized row into these outputs."""
-
-    residual: torch.Tensor  # [1, K]
-    weight: torch.Tensor  # [K]
-    eps: float
-    normed: torch.Tensor  # [1, K] out
-    summed: torch.Tensor  # [1, K] out
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     silu_mul: bool,
     cfg: GemvConfig | None = None,
-    norm: NormInput | None = None,
 ) -> torch.Tensor:
-    """The kernel launch behind the ops, for one token (`cfg` overrides the block sizes)."""
+    """The kernel launch behind both ops, for one token (`cfg` overrides the block sizes)."""
     k = x.shape[-1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     cfg = cfg or gemv_config(weight.shape[0], k, silu_mul)
-    out = torch.empty((1, n), dtype=weight.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     splits = cfg.splits if not silu_mul else 1
     k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
     blocks = -(-n // cfg.block_n)
@@ -227,15 +160,13 @@ def gemv(
         counts = arrival_counts(x.device, blocks)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
-    normed = norm or NormInput(x, x, 0.0, x, x)  # unread without NORM
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
     _gemv_kernel[(blocks, splits)](
-        x, weight, bias_arg, out, part, counts, normed.residual, normed.weight, normed.normed,
-        normed.summed, n, k, k_per_split, weight.stride(0), normed.eps,
-        NORM=norm is not None, BLOCK_H=next_pow2(k) if norm else 1, HAS_BIAS=has_bias,
-        SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-        SPLITS=splits, num_warps=cfg.num_warps, num_stages=1, **pdl_args(x.device),
+        x, weight, bias_arg, out, part, counts, n, k, k_per_split, weight.stride(0),
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UNROLL=cfg.unroll, SPLITS=splits, num_warps=cfg.num_warps, num_stages=1,
+        **pdl_args(x.device),
     )  # fmt: skip
     return out
 
@@ -287,54 +218,3 @@ def gate_up_silu_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     return silu_and_mul_ref(F.linear(x, weight, bias))
-
-
-@torch.library.custom_op("libkk::add_rms_norm_linear", mutates_args=())
-def add_rms_norm_linear(
-    x: torch.Tensor,  # [..., in]
-    residual: torch.Tensor,  # [..., in]
-    norm_weight: torch.Tensor,  # [in]
-    eps: float,
-    weight: torch.Tensor,  # [out, in] ([2 * intermediate, in] with silu_mul)
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(linear or gate_up_silu of the normed row, add_rms_norm's normed row, its sum x + residual).
-
-    One token: the norm runs inside the GEMV (each program normalizes the row it streams K over,
-    so the norm's own kernel and its place on a decode step's critical path go). More tokens:
-    add_rms_norm, then the op's usual product."""
-    check_device(x)
-    if (
-        x.shape == residual.shape
-        and gemv_fits(x, weight)
-        and norm_out_dtype(x, norm_weight) == weight.dtype
-    ):
-        normed = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        norm = NormInput(residual.reshape(1, -1), norm_weight, eps, normed, summed)
-        return gemv(x, weight, bias, silu_mul, norm=norm), normed, summed
-    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    product = gate_up_silu if silu_mul else linear
-    return product(normed, weight, bias), normed, summed
-
-
-@add_rms_norm_linear.register_fake
-def _(x, residual, norm_weight, eps, weight, bias, silu_mul):
-    rows = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    normed = x.new_empty(residual.shape, dtype=norm_out_dtype(x, norm_weight))
-    return normed.new_empty((*residual.shape[:-1], rows)), normed, x.new_empty(residual.shape)
-
-
-def add_rms_norm_linear_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    normed, summed = add_rms_norm_ref(x, residual, norm_weight, eps)
-    product = gate_up_silu_ref if silu_mul else linear_ref
-    return product(normed, weight, bias), normed, summed

@@ -85,7 +85,7 @@ def rms_norm(
     check_device(x)
     hidden = weight.shape[0]
     rows = _rows(x, hidden)
-    out = torch.empty(x.shape, dtype=norm_out_dtype(x, weight), device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     if rows.shape[0]:
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](
@@ -98,7 +98,7 @@ def rms_norm(
 
 @rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=norm_out_dtype(x, weight))
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
 
 
 @torch.library.custom_op("libkk::add_rms_norm", mutates_args=())
@@ -116,7 +116,7 @@ def add_rms_norm(
     hidden = weight.shape[0]
     num_terms = _num_terms(x, residual)
     rows, res_rows = _rows(x, hidden), _rows(residual, hidden)
-    out = torch.empty(residual.shape, dtype=norm_out_dtype(x, weight), device=x.device)
+    out = torch.empty(residual.shape, dtype=_out_dtype(x, weight), device=x.device)
     summed = torch.empty(residual.shape, dtype=x.dtype, device=x.device)
     if res_rows.shape[0]:
         block = next_pow2(hidden)
@@ -134,7 +134,7 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _num_terms(x, residual)
     return (
-        x.new_empty(residual.shape, dtype=norm_out_dtype(x, weight)),
+        x.new_empty(residual.shape, dtype=_out_dtype(x, weight)),
         x.new_empty(residual.shape),
     )
 
@@ -151,7 +151,7 @@ def _num_terms(x: torch.Tensor, residual: torch.Tensor) -> int:
     )
 
 
-def norm_out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, x.dtype)
 
 
