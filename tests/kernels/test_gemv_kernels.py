@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
-from libkk.kernels.gemv import gemv, gemv_config, gemv_fits
+from libkk.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_fits
 from libkk.kernels.split_join import arrival_counts
 
 pytestmark = RUNS_KERNELS
@@ -65,6 +65,21 @@ def test_split_k_is_joined_by_the_last_program(n, k):
     assert torch.equal(linear(x, weight, b), first)
     assert not arrival_counts(x.device, 1).any()
     _close(first, gemv(x, weight, b, silu_mul=False, cfg=cfg._replace(splits=1)), torch.float32)
+
+
+@pytest.mark.parametrize("k", [256, 600, 1100])
+def test_split_k_with_one_step_or_none_per_split(k):
+    """Splits of one K step (each program's only step is the one it loads before the PDL wait),
+    and splits that start past K (600 over four 256-wide splits: the last has no columns)."""
+    x, weight, b = _inputs(1, 12, k, torch.float32, k, bias=True)
+    cfg = GemvConfig(block_n=4, block_k=256, unroll=1, splits=4, num_warps=4)
+    _close(gemv(x, weight, b, silu_mul=False, cfg=cfg), linear_ref(x, weight, b), torch.float32)
+
+
+def test_split_k_refuses_unrolled_steps():
+    x, weight, _ = _inputs(1, 12, 1024, torch.float32, 3, bias=False)
+    with pytest.raises(ValueError, match="unroll 1"):
+        gemv(x, weight, None, silu_mul=False, cfg=GemvConfig(4, 256, 2, 2, 4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
