@@ -7,6 +7,11 @@ graph is replayed `--repeats` times and the median per call is reported with its
 `--sweep` also times a grid of block configurations at one token and prints the best next to the
 one `gemv_config` picks, the check on its heuristic.
 
+A table of one 8B decoder layer's four projections as a step runs them (qkv, o, gate_up + silu,
+down, over 8 layers' distinct weights in one graph; with and without the residual add + RMSNorm
+kernel before qkv and gate_up) shows what the shapes cost one after another, where each one's
+start overlaps the end of a different kernel.
+
     python benchmarks/gemv.py [--sweep] [--out FILE.json]
 """
 
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from floors import copy_bandwidth, graph_seconds
 from libkk.kernels.gemv import GemvConfig, gemv, gemv_config
+from libkk.kernels.norm import add_rms_norm
 
 SHAPES = {  # name: (out, in, fused silu)
     "8b qkv": (6144, 4096, False),
@@ -98,6 +104,41 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
     return row
 
 
+LAYER = ("8b qkv", "8b o", "8b gate_up+silu", "8b down")
+LAYERS = 8
+
+
+def time_layers(args, bandwidth: float) -> list[dict]:
+    """µs per decoder layer of the four projections in order (`LAYERS` layers' weights, so each
+    comes from HBM), with and without the norm kernel before qkv and gate_up."""
+    shapes = [SHAPES[name] for name in LAYER]
+    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+                for n, k, _ in shapes] for _ in range(LAYERS)]  # fmt: skip
+    xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in shapes]
+    residual = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    floor_s = sum(n * k * 2 for n, k, _ in shapes) / bandwidth
+    rows = []
+    for norms in (False, True):
+
+        def layers(norms=norms):
+            for layer in weights:
+                for i, ((_, _, silu), w) in enumerate(zip(shapes, layer, strict=True)):
+                    x = xs[i]
+                    if norms and LAYER[i] in ("8b qkv", "8b gate_up+silu"):
+                        x = add_rms_norm(x, residual, norm_w, 1e-6)[0]
+                    gemv(x, w, None, silu)
+
+        times = [t / LAYERS for t in graph_seconds(layers, 1, args.repeats)]
+        med = statistics.median(times)
+        rows.append({"norms": norms, "layer_us": med * 1e6, "floor_us": floor_s * 1e6,
+                     "spread_us": [min(times) * 1e6, max(times) * 1e6]})  # fmt: skip
+        print(f"{'with norms' if norms else 'projections only':<17}{floor_s * 1e6:>10.2f}"
+              f"{med * 1e6:>10.2f}{min(times) * 1e6:>9.2f}-{max(times) * 1e6:<8.2f}"
+              f"{100 * floor_s / med:>6.0f}%", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -113,9 +154,12 @@ def main() -> None:
     for name, (n, k, silu) in SHAPES.items():
         rows_out.append(time_shape(name, n, k, silu, args, bandwidth))
         torch.cuda.empty_cache()
+    print(f"\n{'8B layer':<17}{'floor µs':>10}{'µs':>10}{'spread':>18}{'% floor':>7}")
+    layer_rows = time_layers(args, bandwidth)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"bandwidth": bandwidth, "rows": rows_out}, f, indent=1)
+            json.dump({"bandwidth": bandwidth, "rows": rows_out, "layers": layer_rows}, f,
+                      indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
