@@ -8,9 +8,10 @@ ops therefore run only when the variable was set before anything imported triton
 
 Programmatic dependent launch (Hopper and later): a kernel launched with `pdl_args` may start
 while the kernel before it on the stream is still finishing, so its programs are resident when
-their inputs land instead of being launched then. Such a kernel must begin with
-`wait_for_previous(PDL)`, before touching global memory: the wait returns once the previous
-kernel has completed and its writes are visible. A step of one-token decode is a chain of a few
+their inputs land instead of being launched then. Such a kernel must call
+`wait_for_previous(PDL)` before it writes global memory or reads anything an earlier kernel may
+write (only memory no kernel writes, such as weights, may be read before): the wait returns once
+the previous kernel has completed and its writes are visible. A step of one-token decode is a chain of a few
 hundred short kernels, each of which would otherwise pay its launch after its predecessor ends.
 """
 
