@@ -11,8 +11,9 @@ while the kernel before it on the stream is still finishing, so its programs are
 their inputs land instead of being launched then. Such a kernel must call
 `wait_for_previous(PDL)` before it writes global memory or reads anything an earlier kernel may
 write (only memory no kernel writes, such as weights, may be read before): the wait returns once
-the previous kernel has completed and its writes are visible. A step of one-token decode is a chain of a few
-hundred short kernels, each of which would otherwise pay its launch after its predecessor ends.
+the previous kernel has completed and its writes are visible. A step of one-token decode is a
+chain of a few hundred short kernels, each of which would otherwise pay its launch after its
+predecessor ends.
 """
 
 from __future__ import annotations
