@@ -8,9 +8,9 @@ graph is replayed `--repeats` times and the median per call is reported with its
 one `gemv_config` picks, the check on its heuristic.
 
 A table of one 8B decoder layer's four projections as a step runs them (qkv, o, gate_up + silu,
-down, over 8 layers' distinct weights in one graph; with and without the residual add + RMSNorm
-kernel before qkv and gate_up) shows what the shapes cost one after another, where each one's
-start overlaps the end of a different kernel.
+down, over 8 layers' distinct weights in one graph: cuBLAS, libkk, and libkk with the residual
+add + RMSNorm kernel before qkv and gate_up) shows what the shapes cost one after another, where
+each one's start overlaps the end of a different kernel.
 
     python benchmarks/gemv.py [--sweep] [--out FILE.json]
 """
@@ -108,9 +108,14 @@ LAYER = ("8b qkv", "8b o", "8b gate_up+silu", "8b down")
 LAYERS = 8
 
 
+def gemv_product(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    return gemv(x, weight, None, silu)
+
+
 def time_layers(args, bandwidth: float) -> list[dict]:
     """µs per decoder layer of the four projections in order (`LAYERS` layers' weights, so each
-    comes from HBM), with and without the norm kernel before qkv and gate_up."""
+    comes from HBM): cuBLAS, libkk's GEMV, and libkk's GEMV with the norm kernel before qkv and
+    gate_up."""
     shapes = [SHAPES[name] for name in LAYER]
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
                 for n, k, _ in shapes] for _ in range(LAYERS)]  # fmt: skip
@@ -119,21 +124,22 @@ def time_layers(args, bandwidth: float) -> list[dict]:
     norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     floor_s = sum(n * k * 2 for n, k, _ in shapes) / bandwidth
     rows = []
-    for norms in (False, True):
+    for name, product, norms in (("cuBLAS", cublas, False), ("libkk", gemv_product, False),
+                                 ("libkk with norms", gemv_product, True)):  # fmt: skip
 
-        def layers(norms=norms):
+        def layers(product=product, norms=norms):
             for layer in weights:
                 for i, ((_, _, silu), w) in enumerate(zip(shapes, layer, strict=True)):
                     x = xs[i]
                     if norms and LAYER[i] in ("8b qkv", "8b gate_up+silu"):
                         x = add_rms_norm(x, residual, norm_w, 1e-6)[0]
-                    gemv(x, w, None, silu)
+                    product(x, w, silu)
 
         times = [t / LAYERS for t in graph_seconds(layers, 1, args.repeats)]
         med = statistics.median(times)
-        rows.append({"norms": norms, "layer_us": med * 1e6, "floor_us": floor_s * 1e6,
+        rows.append({"case": name, "layer_us": med * 1e6, "floor_us": floor_s * 1e6,
                      "spread_us": [min(times) * 1e6, max(times) * 1e6]})  # fmt: skip
-        print(f"{'with norms' if norms else 'projections only':<17}{floor_s * 1e6:>10.2f}"
+        print(f"{name:<17}{floor_s * 1e6:>10.2f}"
               f"{med * 1e6:>10.2f}{min(times) * 1e6:>9.2f}-{max(times) * 1e6:<8.2f}"
               f"{100 * floor_s / med:>6.0f}%", flush=True)  # fmt: skip
     return rows
