@@ -120,8 +120,9 @@ def time_layers(args, bandwidth: float) -> list[dict]:
     weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
                 for n, k, _ in shapes] for _ in range(LAYERS)]  # fmt: skip
     xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in shapes]
-    residual = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    hidden = SHAPES["8b qkv"][1]  # what the norms normalize: qkv's and gate_up's input
+    residual = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     floor_s = sum(n * k * 2 for n, k, _ in shapes) / bandwidth
     rows = []
     for name, product, norms in (("cuBLAS", cublas, False), ("libkk", gemv_product, False),
