@@ -26,7 +26,6 @@ import triton.language as tl
 
 from ._jit import check_device, device_parallelism, jit, next_pow2, pdl_args, wait_for_previous
 from .kv_cache import FP8_DTYPE
-from .split_join import arrival_counts, arrive
 
 _LOG2E = math.log2(math.e)
 # Running max starts finite: a row with every key masked so far then keeps weight 0 instead of
@@ -45,7 +44,6 @@ DECODE_STAGES = 3
 DECODE_MAX_ROWS = 64  # uniform batches with more rows per KV head take the varlen path
 MAX_SPLITS = 64
 SPLITS_PER_SM = 2  # decode programs per SM the split count aims for
-JOIN_SPLITS = True
 
 
 @jit
@@ -210,7 +208,6 @@ def _decode_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, DIM_PAD] fp32, unnormalized
     part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, running max (log2 units)
     part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, softmax denominator
-    count_ptr,  # split_join arrival counts, one per (request, KV head)
     block_table_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -236,7 +233,6 @@ def _decode_kernel(
     NEG_BIG: tl.constexpr,
     LOG2E: tl.constexpr,
     STAGES: tl.constexpr,
-    JOIN: tl.constexpr,  # the last split merges (else _merge_splits_kernel does)
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -283,29 +279,6 @@ def _decode_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         d = tl.arange(0, DIM_PAD)
         tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
-        if JOIN:
-            num_active = tl.cdiv(seq_len, chunk)  # the splits that did not return early
-            if arrive(count_ptr, req * NUM_KV_HEADS + kv_head, num_active):
-                part0 = part - split  # [ROWS] split 0 of each row
-                m_i = tl.full([ROWS], NEG_BIG, tl.float32)
-                l_i = tl.zeros([ROWS], tl.float32)
-                acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
-                # In split order, so the sums do not depend on which split arrived last.
-                for s in tl.range(0, num_active):
-                    m_s = tl.load(part_max_ptr + part0 + s, mask=row_ok, other=NEG_BIG,
-                                  cache_modifier=".cg")  # fmt: skip
-                    l_s = tl.load(part_sum_ptr + part0 + s, mask=row_ok, other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                    acc_s = tl.load(part_acc_ptr + (part0 + s)[:, None] * DIM_PAD + d[None, :],
-                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    m_new = tl.maximum(m_i, m_s)
-                    alpha = tl.exp2(m_i - m_new)
-                    w = tl.exp2(m_s - m_new)
-                    l_i = l_i * alpha + w * l_s
-                    acc = acc * alpha[:, None] + w[:, None] * acc_s
-                    m_i = m_new
-                _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot,
-                           stride_oh, HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
 
 
 @jit
@@ -441,10 +414,6 @@ def _paged_attention_op(
     if num_tokens == num_reqs * max_query_len and rows <= DECODE_MAX_ROWS:
         splits = num_splits or default_num_splits(num_reqs, num_kv_heads, q.device)
         parts: list[torch.Tensor] = [out] * 3  # unused when nothing is split
-        counts = seq_lens  # unused unless splits are joined
-        join = splits > 1 and JOIN_SPLITS
-        if join:
-            counts = arrival_counts(q.device, num_reqs * num_kv_heads)
         if splits > 1:
             parts = [
                 torch.empty(
@@ -454,12 +423,12 @@ def _paged_attention_op(
                 torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device),
             ]
         _decode_kernel[(num_reqs, num_kv_heads, splits)](
-            q, kv_cache, out, *parts, counts, block_table, seq_lens, query_start_loc, k_scale,
-            v_scale, scale, *strides, kv_cache.stride(0),
+            q, kv_cache, out, *parts, block_table, seq_lens, query_start_loc, k_scale, v_scale,
+            scale, *strides, kv_cache.stride(0),
             GROUP=group, ROWS=rows, NUM_SPLITS=splits, BLOCK_N=DECODE_BLOCK_N, **common,
-            STAGES=DECODE_STAGES, JOIN=join, num_warps=DECODE_WARPS,
+            STAGES=DECODE_STAGES, num_warps=DECODE_WARPS,
         )  # fmt: skip
-        if splits > 1 and not join:
+        if splits > 1:
             _merge_splits_kernel[(num_reqs, num_heads, max_query_len)](
                 out, *parts, seq_lens, query_start_loc, v_scale, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),

@@ -22,17 +22,16 @@ from ._jit import jit
 
 
 @jit
-def arrive(count_ptr, tile, arrivals):
+def arrive(count_ptr, tile, SPLITS: tl.constexpr):
     """Counts this program in at its tile, after it stored its partials: whether it is the tile's
-    last of `arrivals` (a constant or a runtime count), which may then read every split's partials
-    (and has reset the count)."""
+    last arrival, which may then read every split's partials (and has reset the count)."""
     # The barrier orders every thread's stores before the one thread's count; acq_rel makes them
     # visible to whoever counts in after it, and the last arrival's threads see every earlier
     # split's stores (they wait at the second barrier).
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     tl.debug_barrier()
-    last = arrived == arrivals - 1
+    last = arrived == SPLITS - 1
     if last:  # every program of this launch has counted in; the next launch starts from zero
         tl.atomic_xchg(count_ptr + tile, 0)
     return last
