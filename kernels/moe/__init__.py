@@ -5,7 +5,6 @@ Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captur
 
 1. `moe_topk_routing`: top-k over softmax or sigmoid router probabilities, optionally renormalized
    (Qwen3-MoE: softmax + renorm when `norm_topk_prob`; Mixtral: softmax + renorm).
-   `moe_router_topk` is the router's product and this step in one; for one token, one kernel.
 2. `moe_align_block_size`: the (token, expert) pairs, pair p = token * top_k + k, sorted by expert
    and each expert's run padded to a multiple of the M tile. Padding slots hold the sentinel
    `num_pairs`; blocks past the padded total have expert -1. Sizes are the static worst case.
@@ -58,7 +57,6 @@ from .routing import (
     max_padded_pairs,
     moe_align_block_size,
     moe_align_block_size_ref,
-    moe_router_topk,
     moe_topk_routing,
     moe_topk_routing_ref,
 )
@@ -127,7 +125,6 @@ __all__ = [
     "max_padded_pairs",
     "moe_align_block_size",
     "moe_align_block_size_ref",
-    "moe_router_topk",
     "moe_topk_routing",
     "moe_topk_routing_ref",
     "moe_w4a8_down",

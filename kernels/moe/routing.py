@@ -7,37 +7,10 @@ import torch
 import triton.language as tl
 
 from .._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
-from ..gemv import _accumulate, _weight_tiles, gemv_config, gemv_fits, linear
-from ..split_join import arrival_counts, arrive
 from .common import SCORING, _err
 
 # --------------------------------------------------------------------------------------------------
 # Routing
-
-
-@jit
-def _top_k(x, e, emask, kk, E_PAD: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
-           RENORM: tl.constexpr):  # fmt: skip
-    """(weights, ids) [K_PAD] of one token's fp32 logits x [E_PAD] (-inf where ~emask), best
-    first."""
-    if SIGMOID:
-        p = 1.0 / (1.0 + tl.exp(-x))
-    else:
-        z = tl.exp(x - tl.max(x, axis=0))
-        p = z / tl.sum(z, axis=0)
-    p = tl.where(emask, p, -1.0)  # below every probability: padding is never picked
-    w = tl.zeros(kk.shape, dtype=tl.float32)
-    ids = tl.zeros(kk.shape, dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        # the lowest index among equal maxima
-        idx = tl.min(tl.where(p == best, e, E_PAD), axis=0)
-        w = tl.where(kk == k, best, w)
-        ids = tl.where(kk == k, idx, ids)
-        p = tl.where(e == idx, -2.0, p)
-    if RENORM:
-        w = w / tl.sum(tl.where(kk < TOP_K, w, 0.0), axis=0)
-    return w, ids
 
 
 @jit
@@ -59,52 +32,27 @@ def _routing_kernel(
     e = tl.arange(0, E_PAD)
     emask = e < NUM_EXPERTS
     x = tl.load(logits_ptr + token * stride_t + e, mask=emask, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        z = tl.exp(x - tl.max(x, axis=0))
+        p = z / tl.sum(z, axis=0)
+    p = tl.where(emask, p, -1.0)  # below every probability: padding is never picked
     kk = tl.arange(0, K_PAD)
-    w, ids = _top_k(x, e, emask, kk, E_PAD, TOP_K, SIGMOID, RENORM)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        # the lowest index among equal maxima
+        idx = tl.min(tl.where(p == best, e, E_PAD), axis=0)
+        w = tl.where(kk == k, best, w)
+        ids = tl.where(kk == k, idx, ids)
+        p = tl.where(e == idx, -2.0, p)
+    if RENORM:
+        w = w / tl.sum(tl.where(kk < TOP_K, w, 0.0), axis=0)
     kmask = kk < TOP_K
     tl.store(weights_ptr + token * TOP_K + kk, w, mask=kmask)
     tl.store(ids_ptr + token * TOP_K + kk, ids, mask=kmask)
-
-
-@jit
-def _router_topk_kernel(
-    x_ptr,  # [K] the token's hidden state
-    w_ptr,  # [NUM_EXPERTS, K] router weight
-    logits_ptr,  # [NUM_EXPERTS] in x's dtype
-    weights_ptr,
-    ids_ptr,
-    count_ptr,  # split_join arrival counts (one)
-    K,
-    stride_w,
-    NUM_EXPERTS: tl.constexpr,
-    E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < NUM_EXPERTS
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K * UNROLL):  # the GEMV's loop: the same logits, bit for bit
-        for u in tl.static_range(UNROLL):
-            ks = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
-            w, _ = _weight_tiles(w_ptr, n, n_mask, ks, NUM_EXPERTS, K, stride_w, False)
-            acc, _ = _accumulate(acc, acc, w, w, x_ptr, ks, K, False)
-    tl.store(logits_ptr + n, acc.to(logits_ptr.dtype.element_ty), mask=n_mask)
-    if arrive(count_ptr, 0, tl.num_programs(0)):  # every logit is stored: pick the experts
-        e = tl.arange(0, E_PAD)
-        emask = e < NUM_EXPERTS
-        x = tl.load(logits_ptr + e, mask=emask, other=float("-inf"), cache_modifier=".cg")
-        kk = tl.arange(0, K_PAD)
-        w, ids = _top_k(x.to(tl.float32), e, emask, kk, E_PAD, TOP_K, SIGMOID, RENORM)
-        tl.store(weights_ptr + kk, w, mask=kk < TOP_K)
-        tl.store(ids_ptr + kk, ids, mask=kk < TOP_K)
 
 
 def _check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> None:
@@ -156,46 +104,6 @@ def _(router_logits, top_k, renormalize, scoring="softmax"):
     return (
         router_logits.new_empty(n, top_k, dtype=torch.float32),
         router_logits.new_empty(n, top_k, dtype=torch.int32),
-    )
-
-
-@torch.library.custom_op("libkk::moe_router_topk", mutates_args=())
-def moe_router_topk(
-    hidden: torch.Tensor,  # [num_tokens, hidden]
-    gate_weight: torch.Tensor,  # [num_experts, hidden]
-    top_k: int,
-    renormalize: bool,
-    scoring: str = "softmax",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_topk_routing(linear(hidden, gate_weight), ...), bit for bit. For one token it is one
-    kernel: the router GEMV's programs store their logits and the last to finish picks the
-    experts (split_join.arrive), which spares a decode step a launch per MoE layer."""
-    num_experts = gate_weight.shape[0]
-    _check_routing(hidden.new_empty(0, num_experts), top_k, scoring)
-    check_device(hidden)
-    cfg = gemv_config(num_experts, gate_weight.shape[1])
-    if not gemv_fits(hidden, gate_weight) or cfg.splits > 1:
-        return moe_topk_routing(linear(hidden, gate_weight), top_k, renormalize, scoring)
-    dev = hidden.device
-    logits = torch.empty(num_experts, dtype=hidden.dtype, device=dev)
-    weights = torch.empty(1, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
-    _router_topk_kernel[(-(-num_experts // cfg.block_n),)](
-        hidden, gate_weight, logits, weights, ids, arrival_counts(dev, 1), gate_weight.shape[1],
-        gate_weight.stride(0), NUM_EXPERTS=num_experts, E_PAD=next_pow2(num_experts),
-        TOP_K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", RENORM=renormalize,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll, num_warps=cfg.num_warps,
-        num_stages=1, **pdl_args(dev),
-    )  # fmt: skip
-    return weights, ids
-
-
-@moe_router_topk.register_fake
-def _(hidden, gate_weight, top_k, renormalize, scoring="softmax"):
-    n = hidden.shape[0]
-    return (
-        hidden.new_empty(n, top_k, dtype=torch.float32),
-        hidden.new_empty(n, top_k, dtype=torch.int32),
     )
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from libkk.dist import all_reduce, get_tp_size
-from libkk.kernels.moe import moe_router_topk
+from libkk.kernels.moe import moe_topk_routing
 from libkk.layers.linear import (
     Linear,
     check_shape,
@@ -178,11 +178,11 @@ class SparseMoeBlock(nn.Module):
         [num_tokens, top_k, hidden]: each routed expert's output, summed by the residual add and
         norm that follow (RMSNorm with a residual takes such terms), which spares the sum a
         kernel per layer."""
+        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         if isinstance(self.experts, QuantFusedMoE) and hidden.is_cuda:
             # no host sync: the whole packed path can be captured in a CUDA graph
-            weights, ids = moe_router_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
+            weights, ids = moe_topk_routing(router_logits, self.top_k, self.renormalize)
         else:
-            router_logits = self.gate(hidden)  # [num_tokens, num_experts]
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if get_tp_size() > 1:
             return all_reduce(self.experts(hidden, weights, ids))

@@ -142,41 +142,6 @@ def test_routing(shape, scoring, renorm):
         torch.testing.assert_close(w.sum(-1), torch.ones(t, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] * ON_CUDA))
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-@pytest.mark.parametrize(
-    "tokens,experts,hidden,k", [(1, 128, 512, 8), (1, 60, 256, 4), (1, 8, 4096, 2), (3, 128, 256, 8)]
-)
-def test_router_topk_is_the_router_then_routing(tokens, experts, hidden, k, scoring, dtype):
-    # One token takes the fused kernel (8 x 4096 splits K in the GEMV, so it takes the two ops,
-    # as do 3 tokens): every case must give the unfused ops' weights and ids bit for bit.
-    gen = torch.Generator().manual_seed(experts + hidden + k)
-    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    gate = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
-    for renorm in (True, False):
-        w, ids = M.moe_router_topk(x, gate, k, renorm, scoring)
-        logits = M.moe_topk_routing(torch.ops.libkk.linear(x, gate), k, renorm, scoring)
-        assert ids.shape == (tokens, k) and torch.equal(ids, logits[1])
-        assert torch.equal(w, logits[0])
-        wr, idr = M.moe_topk_routing_ref(torch.ops.libkk.linear(x, gate), k, renorm, scoring)
-        assert torch.equal(ids, idr)
-        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
-
-
-def test_router_topk_repeats_and_rejects_bad_inputs():
-    # The arrival count resets itself: launch after launch picks the same experts.
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    gate = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    first = M.moe_router_topk(x, gate, 4, True)
-    for _ in range(3):
-        again = M.moe_router_topk(x, gate, 4, True)
-        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
-    with pytest.raises(M.MoeKernelError, match="top_k"):
-        M.moe_router_topk(x, gate, 65, True)
-    with pytest.raises(M.MoeKernelError, match="scoring"):
-        M.moe_router_topk(x, gate, 2, True, "relu")
-
-
 def test_routing_rejects_bad_inputs():
     with pytest.raises(M.MoeKernelError, match="top_k"):
         M.moe_topk_routing(torch.zeros(2, 4, device=DEVICE), 5, True)
