@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -134,8 +135,9 @@ class CompiledForward:
 
 
 # torch.compile's stack, imported by the first compile or precompiled load: seconds of Python
-# (Dynamo 1.5 s and Inductor's compile_fx 1.3 s here even with their bytecode cached).
+# even with its bytecode cached (about 3 s on a CPU host, 6-9 s on the H200 host).
 _COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
+_SWITCH_INTERVAL_S = 1e-4
 
 
 @contextlib.contextmanager
@@ -153,11 +155,17 @@ def compiler_imported_alongside() -> Iterator[None]:
                 return
 
     thread = threading.Thread(target=run, name="libkk-compiler-import", daemon=True)
+    # Each time the loader takes the GIL back after a read or a copy it waits up to a switch
+    # interval for the importing thread: at the default 5 ms the H200 host's 8B weight load
+    # took 8-10 s instead of 3 (benchmarks/RESULTS.md, 2026-12-02). Restored after the block.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     thread.start()
     try:
         yield
     finally:
         thread.join()
+        sys.setswitchinterval(interval)
 
 
 def _unbacked(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
