@@ -13,6 +13,10 @@ compiler stack). All children share one bytecode cache (PYTHONPYCACHEPREFIX), fi
 cold start before the timed ones.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
+        [--warm-repeats 1] [--only-libkk]
+
+The last line printed is a JSON object of each case's median (`warm_s`, `cold_s`, ...), the
+figure `benchmarks/ab.py --metric warm_s` reads to compare two trees' warm starts.
 """
 
 from __future__ import annotations
@@ -101,6 +105,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="startup.json")
     ap.add_argument("--explain", action="store_true", help="print torch.compile's phase times")
+    ap.add_argument("--warm-repeats", type=int, default=1, help="warm starts after each cold one")
+    ap.add_argument(
+        "--only-libkk",
+        action="store_true",
+        help="cold and warm starts only (no artifacts-only case, no transformers)",
+    )
     args = ap.parse_args()
 
     from libkk.models.default import default_model_path
@@ -126,19 +136,26 @@ def main() -> None:
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
     hf_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPYCACHEPREFIX=str(PYCACHE))
+    if args.only_libkk:
+        del results["libkk warm, artifacts only"], results["transformers"]
     with tempfile.TemporaryDirectory() as tmp:  # untimed: fills the bytecode cache
         run_child(libkk_code, cache_env(Path(tmp)))
-        run_child(hf_code, hf_env)
+        if not args.only_libkk:
+            run_child(hf_code, hf_env)
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             env = cache_env(Path(tmp))
             record("libkk cold", libkk_code, env)
-            record("libkk warm", libkk_code, env)
+            for _ in range(args.warm_repeats):
+                record("libkk warm", libkk_code, env)
+            if args.only_libkk:
+                continue
             env = cache_env(Path(tmp))
             env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor-fresh")
             env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton-fresh")
             record("libkk warm, artifacts only", libkk_code, env)
-        record("transformers", hf_code, hf_env)
+        if not args.only_libkk:
+            record("transformers", hf_code, hf_env)
 
     print(
         f"start-up to first token, {args.model or 'default model'}, device {args.device}, "
@@ -150,6 +167,9 @@ def main() -> None:
     cold, warm = (statistics.median(results[k]) for k in ("libkk cold", "libkk warm"))
     print(f"warm / cold: {warm / cold:.0%}")
     Path(args.out).write_text(json.dumps(results, indent=2))
+    keys = {"libkk cold": "cold_s", "libkk warm": "warm_s", "transformers": "transformers_s",
+            "libkk warm, artifacts only": "warm_artifacts_only_s"}  # fmt: skip
+    print(json.dumps({keys[name]: statistics.median(times) for name, times in results.items()}))
 
 
 if __name__ == "__main__":
