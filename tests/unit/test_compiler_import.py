@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 from libkk.graphs import compile as compile_mod
@@ -31,6 +32,10 @@ def test_a_failed_import_is_left_to_the_compile(monkeypatch):
 
 def test_an_error_in_the_block_still_waits_for_the_thread(monkeypatch):
     monkeypatch.setattr(compile_mod, "_COMPILER_MODULES", ("json",))
+    interval = sys.getswitchinterval()
     with pytest.raises(ValueError, match="boom"):
         with compile_mod.compiler_imported_alongside():
+            assert sys.getswitchinterval() == compile_mod._SWITCH_INTERVAL_S
             raise ValueError("boom")
+    assert not any(t.name == "libkk-compiler-import" for t in threading.enumerate())
+    assert sys.getswitchinterval() == interval
