@@ -88,14 +88,18 @@ def tma_gemv(x: torch.Tensor, desc: TensorDescriptor, tile: tuple[int, int, int,
     return out
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over want's largest magnitude."""
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
 def time_tma(name: str, weights: list[torch.Tensor], x: torch.Tensor, want: torch.Tensor,
-             repeats: int) -> tuple[float, tuple] | None:  # fmt: skip
+             repeats: int) -> tuple[float, tuple]:  # fmt: skip
     """(median seconds per call, tile) of the fastest TMA candidate tile; each is checked first."""
     best = None
     for tile in TMA_TILES:
         descs = [TensorDescriptor.from_tensor(w, list(tile[:2])) for w in weights]
-        got = tma_gemv(x, descs[0], tile).float()
-        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        err = relative_error(tma_gemv(x, descs[0], tile), want)
         assert err < 2e-2, f"{name} TMA {tile}: relative error {err:.3g}"
         t = statistics.median(graph_seconds(
             cycling(descs, lambda d, tile=tile: tma_gemv(x, d, tile)), CALLS, repeats))  # fmt: skip
@@ -130,8 +134,7 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
     want = cublas(x, weights[0], silu).float()
 
     def check(cfg: GemvConfig | None) -> None:
-        got = gemv(x, weights[0], None, silu, cfg).float()
-        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        err = relative_error(gemv(x, weights[0], None, silu, cfg), want)
         assert err < 2e-2, f"{name} {cfg}: relative error {err:.3g}"
 
     check(None)

@@ -134,6 +134,10 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     # without timing) and run them (graphs/moe_tiles.py). False: the kernels' static tile table.
     tune_moe_tiles: bool = True
 
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether the model forward runs under torch.compile on this device type."""
+        return device_type == "cuda" and self.torch_compile
+
     def __post_init__(self) -> None:
         if "PIECEWISE" in self.cudagraph_mode and not self.torch_compile:
             raise ValueError(

@@ -88,7 +88,7 @@ class Engine:
         self.executor: TPExecutor | None = start_executor(config, self.model_dir, self.device)
         if self.executor is not None:
             clock.lap("start tensor-parallel workers")
-        compiles = self.device.type == "cuda" and config.compilation.torch_compile
+        compiles = config.compilation.compiles_on(self.device.type)
         with compiler_imported_alongside() if compiles else contextlib.nullcontext():
             self.model, self.arch = load_model(
                 self.model_dir,

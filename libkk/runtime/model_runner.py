@@ -111,7 +111,7 @@ class ModelRunner:
         # (packed 4-bit experts run host-sync-free kernels and are).
         capturable = not any(isinstance(m, FusedMoE) for m in model.modules())
         graphs = device.type == "cuda" and mode != "NONE" and capturable
-        if device.type == "cuda" and compilation.torch_compile:
+        if compilation.compiles_on(device.type):
             if graphs and mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
                 self.piecewise = PiecewiseBackend(
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
