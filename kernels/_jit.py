@@ -78,15 +78,6 @@ def pdl_args(device: torch.device) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True}
 
 
-def supports_tma(device: torch.device) -> bool:
-    """Whether kernels on `device` may load through TMA tensor descriptors (Hopper and later;
-    the interpreter runs them too, so tests ask for them explicitly instead)."""
-    if device.type != "cuda" or INTERPRETED:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _major(index) >= 9
-
-
 @jit
 def wait_for_previous(PDL: tl.constexpr):
     """With PDL: wait until the previous kernel's writes are visible, and let the next kernel's

@@ -13,12 +13,6 @@ up halves of a merged gate_up weight and writes silu(gate) * up, so the [1, 2I] 
 stored. The gate and up sums round to the activation dtype first (as the separate matmul's output
 does); silu and the product are fp32, rounded once (as Inductor's fused pointwise kernel does).
 
-TMA (Hopper and later): for plain products of outputs between a router's and an lm_head's
-width, each program streams its weight rows through a pipeline of TMA bulk loads into shared
-memory, `unroll` tiles in flight, issued by the copy engine instead of by every thread. On the
-H200 that took the 8B qkv projection from 16.0 to 13.7 µs and the 30B-A3B one from 8.4 to 7.0 µs
-(benchmarks/gemv.py --tma); at 128 or 150K outputs it was no faster.
-
 Split K: a tall K on few rows (the down projection) leaves too few programs to keep the memory
 system busy; its programs then store fp32 partial sums, which each row block's last program adds
 in a fixed order (kernels/split_join.py: deterministic, and no second kernel). Split programs
@@ -33,9 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._jit import check_device, jit, pdl_args, supports_tma, wait_for_previous
+from ._jit import check_device, jit, pdl_args, wait_for_previous
 from .activation import silu_and_mul, silu_and_mul_ref
 from .split_join import arrival_counts, arrive, sum_partials
 
@@ -45,25 +38,17 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class GemvConfig(NamedTuple):
     block_n: int  # weight rows per program
     block_k: int  # columns per load
-    unroll: int  # loads in flight per loop iteration (tma: the pipeline's tiles in flight)
+    unroll: int  # loads in flight per loop iteration
     splits: int  # programs along K (> 1: partial sums, joined by the last)
     num_warps: int
-    tma: bool = False  # weight tiles through TMA loads (plain products, one split)
 
 
-def gemv_config(n: int, k: int, silu_mul: bool = False, tma: bool = False) -> GemvConfig:
-    """Block sizes for an [n, k] weight, from the H200 sweeps in benchmarks/gemv.py: about 32 KiB
+def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
+    """Block sizes for an [n, k] weight, from the H200 sweep in benchmarks/gemv.py: about 32 KiB
     of weight per program, more rows per program for very wide outputs, K split when a plain
     grid would give too few programs (tall K, or narrow outputs), and wider steps for outputs
     of a router's size (2.85 against 3.17 µs at 128 x 2048). The fused gate/up kernel already
-    has two tiles in flight per step: it does not unroll. With `tma` (the device has TMA and
-    the weight suits it), plain products of 257 to 16383 outputs take the TMA pipeline: 8 rows
-    and 4 tiles in flight per program, 16 rows and 6 tiles for the tall-K or narrow-output
-    shapes that the plain kernel splits."""
-    if tma and not silu_mul and 256 < n < 16384 and k >= 1024:
-        if k >= 8192 or (n <= 2048 and k >= 4096):
-            return GemvConfig(16, 256, 6, 1, 4, tma=True)
-        return GemvConfig(8, 256, 4, 1, 4, tma=True)
+    has two tiles in flight per step: it does not unroll."""
     if silu_mul:
         return GemvConfig(16, 256, 1, 1, 4)
     if k >= 8192:  # down projections
@@ -144,35 +129,6 @@ def _gemv_kernel(
 
 
 @jit
-def _tma_gemv_kernel(
-    x_ptr,  # [K]
-    w_desc,  # [N, K] weight, block [BLOCK_N, BLOCK_K]
-    bias_ptr,  # [N]
-    out_ptr,  # [N]
-    N,
-    K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,  # weight tiles in flight
-    PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = w_desc.load([n0, k0])  # rows and columns past the weight read as zero
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@jit
 def _weight_tiles(w_ptr, n, n_mask, ks, N, K, stride_w, SILU_MUL: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at columns ks, and with SILU_MUL the up rows' tile."""
     w_mask = n_mask[:, None] & (ks < K)[None, :]
@@ -206,17 +162,6 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def tma_fits(weight: torch.Tensor) -> bool:
-    """Whether TMA can load this weight: a device with TMA, 16-bit elements (as measured), and
-    the 16-byte aligned base and row stride a tensor map needs."""
-    return (
-        supports_tma(weight.device)
-        and weight.element_size() == 2
-        and weight.data_ptr() % 16 == 0
-        and weight.stride(0) * 2 % 16 == 0
-    )
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -227,19 +172,8 @@ def gemv(
     """The kernel launch behind both ops, for one token (`cfg` overrides the block sizes)."""
     k = x.shape[-1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    cfg = cfg or gemv_config(weight.shape[0], k, silu_mul, tma_fits(weight))
+    cfg = cfg or gemv_config(weight.shape[0], k, silu_mul)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
-    if cfg.tma:
-        if silu_mul or cfg.splits > 1:
-            raise ValueError(f"GEMV config {cfg}: TMA takes plain products, one split")
-        desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-        _tma_gemv_kernel[(-(-n // cfg.block_n),)](
-            x, desc, bias_arg, out, n, k, HAS_BIAS=has_bias, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, STAGES=cfg.unroll, num_warps=cfg.num_warps, **pdl_args(x.device),
-        )  # fmt: skip
-        return out
     splits = cfg.splits if not silu_mul else 1
     if splits > 1 and cfg.unroll > 1:  # a split's unrolled steps would run into the next split
         raise ValueError(f"GEMV config {cfg}: split K takes unroll 1")
@@ -249,6 +183,8 @@ def gemv(
     if splits > 1:
         part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device, blocks)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight  # any pointer: unread without HAS_BIAS
     # NOTE: one stage: a software-pipelined loop stages each weight tile through shared memory,
     # which a GEMV (no reuse) only pays for (15-20% slower on the H200).
     _gemv_kernel[(blocks, splits)](

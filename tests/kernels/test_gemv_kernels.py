@@ -1,8 +1,7 @@
 """linear and gate_up_silu (the one-token GEMV) against their torch references: every block
 configuration (plain, wide outputs, split K for tall K and for narrow outputs), one token and the
 F.linear fallback for more, a strided token row, bias, sizes that are not multiples of the
-blocks, and the TMA pipeline with the shapes and weights it takes. On CPU in Triton's interpreter
-(fp32/fp16); on CUDA bf16 joins."""
+blocks. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
-from libkk.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_fits, tma_fits
+from libkk.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_fits
 from libkk.kernels.split_join import arrival_counts
 
 pytestmark = RUNS_KERNELS
@@ -105,51 +104,3 @@ def test_mixed_dtypes_and_no_tokens_take_f_linear():
     assert linear(x[:0], weight).shape == (0, 20)
     torch.testing.assert_close(linear(x.half(), weight.half()).float(), x @ weight.t(),
                                rtol=2e-3, atol=2e-3)  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_CUDA else []))
-@pytest.mark.parametrize("n,k", [(301, 1104), (40, 4096)])
-@pytest.mark.parametrize("cfg", [GemvConfig(8, 256, 4, 1, 4, tma=True),
-                                 GemvConfig(16, 128, 6, 1, 4, tma=True)])  # fmt: skip
-@pytest.mark.parametrize("bias", [False, True])
-def test_tma_pipeline_equals_the_reference(dtype, n, k, cfg, bias):
-    """A partial last row block and a partial last K tile (1104 = 4 x 256 + 80) read as zeros."""
-    x, weight, b = _inputs(1, n, k, dtype, n * k, bias)
-    _close(gemv(x, weight, b, silu_mul=False, cfg=cfg), linear_ref(x, weight, b), dtype)
-
-
-def test_tma_takes_plain_products_between_router_and_lm_head_widths():
-    assert gemv_config(6144, 4096, tma=True) == GemvConfig(8, 256, 4, 1, 4, tma=True)
-    assert gemv_config(4096, 12288, tma=True) == GemvConfig(16, 256, 6, 1, 4, tma=True)
-    assert gemv_config(2048, 4096, tma=True) == GemvConfig(16, 256, 6, 1, 4, tma=True)
-    for n, k, silu in [(128, 2048, False), (151936, 4096, False), (24576, 4096, True),
-                       (4096, 512, False)]:  # fmt: skip
-        assert not gemv_config(n, k, silu, tma=True).tma
-        assert gemv_config(n, k, silu, tma=True) == gemv_config(n, k, silu)
-    assert not gemv_config(6144, 4096).tma
-
-
-def test_tma_refuses_fused_silu_and_split_k():
-    x, weight, _ = _inputs(1, 64, 1024, torch.float16, 4, bias=False)
-    with pytest.raises(ValueError, match="TMA"):
-        gemv(x, weight, None, silu_mul=True, cfg=GemvConfig(8, 256, 4, 1, 4, tma=True))
-    with pytest.raises(ValueError, match="TMA"):
-        gemv(x, weight, None, silu_mul=False, cfg=GemvConfig(8, 256, 1, 2, 4, tma=True))
-
-
-def test_tma_fits_only_aligned_16_bit_weights_on_a_tma_device():
-    weight = torch.zeros(64, 1032, dtype=torch.bfloat16, device=DEVICE)
-    has_tma = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
-    assert tma_fits(weight) == has_tma
-    assert not tma_fits(weight[:, 1:])  # base 2 bytes past an aligned address
-    assert not tma_fits(weight[:, :1028].float())  # 32-bit elements
-    assert not tma_fits(torch.zeros(64, 1028, dtype=torch.bfloat16, device=DEVICE))  # row 2056 B
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="the TMA path is the default only on CUDA")
-def test_linear_on_an_unaligned_weight_takes_the_plain_kernel():
-    x, weight, _ = _inputs(1, 600, 2056, torch.bfloat16, 9, bias=False)
-    view = weight[:, 8:]  # 16-byte aligned base, 4112-byte rows: TMA
-    odd = weight[:, 1:2049]  # 2-byte offset base: the plain kernel
-    for w in (view, odd):
-        _close(linear(x[:, : w.shape[1]], w), linear_ref(x[:, : w.shape[1]], w), torch.bfloat16)
