@@ -10,10 +10,7 @@ keyed by the model's config.json, the graph-relevant settings and the software/G
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -132,40 +129,6 @@ class CompiledForward:
         logger.warning("the model forward runs without precompile: %s", why)
         self.precompiled = None
         self._can_precompile = False
-
-
-# torch.compile's stack, imported by the first compile or precompiled load: seconds of Python
-# even with its bytecode cached (about 3 s on a CPU host, 6-9 s on the H200 host).
-_COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
-_SWITCH_INTERVAL_S = 1e-4
-
-
-@contextlib.contextmanager
-def compiler_imported_alongside() -> Iterator[None]:
-    """Imports torch.compile's stack on a thread while the block runs (the weight load, which
-    spends its time in file reads and device copies that release the GIL), and waits for it at
-    the end. A failed import is left to the first compile, which raises it where it belongs."""
-
-    def run() -> None:
-        for name in _COMPILER_MODULES:
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # the compile that needs it imports it again and raises
-                logger.debug("background import of %s failed: %s", name, e)
-                return
-
-    thread = threading.Thread(target=run, name="libkk-compiler-import", daemon=True)
-    # Each time the loader takes the GIL back after a read or a copy it waits up to a switch
-    # interval for the importing thread: at the default 5 ms the H200 host's 8B weight load
-    # took 8-10 s instead of 3 (benchmarks/RESULTS.md, 2026-12-02). Restored after the block.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(_SWITCH_INTERVAL_S)
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
-        sys.setswitchinterval(interval)
 
 
 def _unbacked(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

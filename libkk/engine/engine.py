@@ -5,7 +5,6 @@ Not thread-safe by itself: the Session serializes calls into it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -31,7 +30,6 @@ from libkk.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
-from libkk.graphs.compile import compiler_imported_alongside
 from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
 from libkk.models.default import resolve_model_path
 from libkk.models.loader import load_model
@@ -88,18 +86,16 @@ class Engine:
         self.executor: TPExecutor | None = start_executor(config, self.model_dir, self.device)
         if self.executor is not None:
             clock.lap("start tensor-parallel workers")
-        compiles = config.compilation.compiles_on(self.device.type)
-        with compiler_imported_alongside() if compiles else contextlib.nullcontext():
-            self.model, self.arch = load_model(
-                self.model_dir,
-                self.dtype,
-                self.device,
-                progress=config.progress,
-                moe_weight_format=config.model.moe_weight_format,
-                quantization=config.model.quantization,
-                csf_prefetch=config.model.csf_prefetch,
-                moe_prefill_activations=config.model.moe_prefill_activations,
-            )
+        self.model, self.arch = load_model(
+            self.model_dir,
+            self.dtype,
+            self.device,
+            progress=config.progress,
+            moe_weight_format=config.model.moe_weight_format,
+            quantization=config.model.quantization,
+            csf_prefetch=config.model.csf_prefetch,
+            moe_prefill_activations=config.model.moe_prefill_activations,
+        )
         clock.lap("load weights")
         if config.cache.calculate_kv_scales:
             calibrate_kv_scales_on_first_prefill(self.model)
