@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # K, a split narrow output, and on CUDA a wide output (2,049 programs: 12 s each in the
 # interpreter).
 SHAPES = [(301, 1100), (37, 200), (24, 1100), (8, 8200), (40, 4096)] + (
-    [(16388, 64)] if ON_CUDA else []
+    [(16388, 64), (4096, 4096)] if ON_CUDA else []
 )
 
 
