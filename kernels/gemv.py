@@ -54,8 +54,8 @@ def gemv_config(n: int, k: int, silu_mul: bool = False) -> GemvConfig:
     if k >= 8192:  # down projections
         return GemvConfig(16, 256, 1, 4, 4)
     if n <= 4096 and k >= 4096:  # o_proj of 30B-A3B (2048 x 4096) and 8B (4096 x 4096)
-        # 32 rows split along K: measured in the step, 2.35 against 2.41 ms (30B-A3B) and
-        # 4.23 against 4.25 ms (8B) with 16 / 4 rows unsplit (benchmarks/RESULTS.md, 2026-12-02)
+        # 32 rows split along K, measured in the step: 2.35 against 2.41 ms (30B-A3B; before,
+        # 16 rows split 4 ways) and 4.23 against 4.25 ms (8B; before, 4 rows unsplit)
         return GemvConfig(32, 256, 1, 8 if n <= 2048 else 4, 8)
     if n <= 256 and k >= 1024:  # a few dozen programs (MoE routers): more bytes in flight each
         return GemvConfig(4, 512, 2, 1, 4)

@@ -17,7 +17,7 @@ pytestmark = RUNS_KERNELS
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # (out, in): a plain grid with a partial row block, a short K, a router-sized output, a split tall
 # K, a split narrow output, and on CUDA a wide output (2,049 programs: 12 s each in the
-# interpreter).
+# interpreter) and the 8B o_proj (the narrow output's branch, split 4 ways).
 SHAPES = [(301, 1100), (37, 200), (24, 1100), (8, 8200), (40, 4096)] + (
     [(16388, 64), (4096, 4096)] if ON_CUDA else []
 )
