@@ -12,13 +12,7 @@ down, over 8 layers' distinct weights in one graph: cuBLAS, libkk, and libkk wit
 add + RMSNorm kernel before qkv and gate_up) shows what the shapes cost one after another, where
 each one's start overlaps the end of a different kernel.
 
-`--tma` also times a candidate kernel that is not in libkk yet: each program streams its weight
-rows through a software pipeline of Hopper TMA bulk loads into shared memory (`STAGES` tiles in
-flight per program, issued by the copy engine rather than by every thread), at a few tile
-shapes per projection; the best is printed beside libkk's GEMV (only plain products, no fused
-silu).
-
-    python benchmarks/gemv.py [--sweep] [--tma] [--out FILE.json]
+    python benchmarks/gemv.py [--sweep] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,13 +24,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from floors import copy_bandwidth, graph_seconds
-from libkk.kernels._jit import pdl_args, wait_for_previous
 from libkk.kernels.gemv import GemvConfig, gemv, gemv_config
 from libkk.kernels.norm import add_rms_norm
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHAPES = {  # name: (out, in, fused silu)
     "8b qkv": (6144, 4096, False),
@@ -57,55 +47,9 @@ SWEEP = [GemvConfig(bn, bk, u, 1, w) for bn, bk, u, w in itertools.product(
         (4, 8, 16, 32), (2, 4, 8), (4, 8))]  # fmt: skip
 
 
-# TMA candidate tiles: (rows per program, K per tile, tiles in flight, warps).
-TMA_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (16, 256, 6, 4), (32, 128, 4, 4), (16, 128, 8, 4)]
-
-
-@triton.jit
-def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    wait_for_previous(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = w_desc.load([n0, k0])  # out-of-range rows and columns read as zero
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-    n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
-def tma_gemv(x: torch.Tensor, desc: TensorDescriptor, tile: tuple[int, int, int, int]):
-    """x [1, K] times the weight `desc` describes, [N, K] (block shape = the tile's)."""
-    n, k = desc.shape
-    block_n, block_k, stages, warps = tile
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _tma_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, desc, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
-        **pdl_args(x.device),
-    )  # fmt: skip
-    return out
-
-
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute difference over want's largest magnitude."""
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-
-
-def time_tma(name: str, weights: list[torch.Tensor], x: torch.Tensor, want: torch.Tensor,
-             repeats: int) -> tuple[float, tuple]:  # fmt: skip
-    """(median seconds per call, tile) of the fastest TMA candidate tile; each is checked first."""
-    best = None
-    for tile in TMA_TILES:
-        descs = [TensorDescriptor.from_tensor(w, list(tile[:2])) for w in weights]
-        err = relative_error(tma_gemv(x, descs[0], tile), want)
-        assert err < 2e-2, f"{name} TMA {tile}: relative error {err:.3g}"
-        t = statistics.median(graph_seconds(
-            cycling(descs, lambda d, tile=tile: tma_gemv(x, d, tile)), CALLS, repeats))  # fmt: skip
-        if best is None or t < best[0]:
-            best = (t, tile)
-    return best
 
 
 def cycling(weights: list[torch.Tensor], call):
@@ -149,11 +93,6 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
     print(f"{name:<17}{row['mb']:>8.1f}{row['floor_us']:>10.2f}{row['cublas_us']:>11.2f}"
           f"{row['libkk_us']:>10.2f}{spread:>14}{100 * floor_s / med:>8.0f}%"
           f"{peer / med:>9.2f}x", flush=True)  # fmt: skip
-    if args.tma and not silu:
-        t, tile = time_tma(name, weights, x, want, args.repeats)
-        row["tma_us"], row["tma_tile"] = t * 1e6, tile
-        print(f"  TMA candidate {name}: {t * 1e6:.2f} µs at {tile} ({100 * floor_s / t:.0f}% "
-              f"floor; libkk {med * 1e6:.2f})", flush=True)  # fmt: skip
     if args.sweep:
         best = None
         for cfg in SWEEP:
@@ -215,7 +154,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--tma", action="store_true", help="time the TMA candidate kernel too")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
