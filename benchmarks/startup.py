@@ -10,7 +10,8 @@ time from interpreter start to the first token.
 Python's bytecode cache is not part of any case: pip writes it at install, but a read-only
 site-packages without it makes every process compile each module it imports (seconds for torch's
 compiler stack). All children share one bytecode cache (PYTHONPYCACHEPREFIX), filled by an untimed
-cold start before the timed ones.
+cold start before the timed ones; PYTHONDONTWRITEBYTECODE is dropped from their environment, since
+with it set nothing would fill that cache.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
         [--warm-repeats 1] [--only-libkk]
@@ -87,10 +88,15 @@ def run_child(code: str, env: dict[str, str]) -> float:
 PYCACHE = Path(tempfile.mkdtemp(prefix="libkk-pycache-"))
 
 
+def bytecode_cached_env(**extra: str) -> dict[str, str]:
+    """The environment with the shared bytecode cache on."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPYCACHEPREFIX": str(PYCACHE), **extra}
+
+
 def cache_env(root: Path) -> dict[str, str]:
     return {
-        **os.environ,
-        "PYTHONPYCACHEPREFIX": str(PYCACHE),
+        **bytecode_cached_env(),
         "LIBKK_CACHE_DIR": str(root / "libkk"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         "TRITON_CACHE_DIR": str(root / "triton"),
@@ -135,7 +141,7 @@ def main() -> None:
         model=args.model, device=args.device, prompt=prompt, explain=args.explain
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
-    hf_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPYCACHEPREFIX=str(PYCACHE))
+    hf_env = bytecode_cached_env(HF_HUB_OFFLINE="1")
     if args.only_libkk:
         del results["libkk warm, artifacts only"], results["transformers"]
     with tempfile.TemporaryDirectory() as tmp:  # untimed: fills the bytecode cache

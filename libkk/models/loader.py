@@ -8,6 +8,7 @@ file in the message. Tensors are cast to the requested dtype as they are copied 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from libkk.layers.quant_moe import MoeOptions, finalize_moe_layers, moe_options
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
 from libkk.models.sharded_read import ShardedReader, check_csf_split
+from libkk.models.staged_read import StagedReader, tensor_spans
 from libkk.quant.checkpoint import (
     QUANT_CONFIG,
     dequantize_stream,
@@ -99,12 +101,31 @@ def load_model(
         presplit = not fp8_blocks and (moe_weight_format is None or packed)
         reader = ShardedReader(model.weight_slices, quant, presplit, packed_experts=packed)
 
+    # Tensors go to the device as they are read (staged_read.py), unless a stream below
+    # transforms them first (quantization on load, dequantization, FP8 blocks) or a rank reads
+    # only its part.
+    transformed = (
+        moe_weight_format is not None
+        or (quant is not None and moe.weight_format is None)
+        or quantization is not None
+        or config.fp8_block_weights
+    )
+    stage = torch.device(device).type == "cuda" and reader is None and not transformed
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
-    with tqdm(
-        total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress
-    ) as bar:
-        tensors = _iter_tensors(shards, current, bar, None if reader is None else reader.read)
+    with (
+        tqdm(
+            total=total,
+            desc="Loading weights",
+            unit="tensor",
+            file=sys.stderr,
+            disable=not progress,
+        ) as bar,
+        StagedReader(device) if stage else contextlib.nullcontext() as staged,
+    ):
+        tensors = _iter_tensors(
+            shards, current, bar, None if reader is None else reader.read, staged
+        )
         if quant is None and moe_weight_format is not None:
             # Quantized on load through the same path a quantized checkpoint takes.
             tensors = quantize_stream(tensors, moe_weight_format)
@@ -324,11 +345,22 @@ def _iter_tensors(
     current: list[Path],
     bar: tqdm,
     read: Callable[[Any, str], torch.Tensor] | None = None,
+    staged: StagedReader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, CPU tensor) memory-mapped from each file; `current` names the open file.
-    `read(file, name)`, when given, reads a tensor instead of `get_tensor` (a rank's part)."""
+    """Yields (name, tensor) from each file; `current` names the open file. The tensors are
+    memory-mapped CPU tensors, or device tensors through `staged`. `read(file, name)`, when
+    given, reads a tensor instead of `get_tensor` (a rank's part)."""
     for shard in shards:
         current[:] = [shard.path]
+        spans = tensor_spans(shard.path, shard.names) if staged is not None else None
+        if spans is not None:
+            try:
+                for name, tensor in staged.read(shard.path, spans):
+                    yield name, tensor
+                    bar.update(1)
+            except OSError as e:
+                raise CorruptCheckpointError(f"cannot read {str(shard.path)!r}: {e}") from None
+            continue
         try:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.names:

@@ -1,0 +1,228 @@
+"""Reads safetensors tensors straight into device memory through a ring of page-locked buffers.
+
+Copying a memory-mapped tensor to the GPU reads the file one page fault at a time on one thread,
+then makes the driver stage the pageable bytes again. Here worker threads `pread` the file's bytes
+(the call releases the GIL) into page-locked host buffers while the copies of earlier buffers run
+on the device, so reading, faulting and uploading overlap; each tensor arrives as a device tensor
+of the file's dtype and shape, for the model's weight loaders to copy from (a device-to-device
+copy). Host memory used: `slots * chunk_bytes`, released at the end.
+
+The files' headers were checked before (`loader.checkpoint_shards`); every tensor's byte range is
+checked again here against its dtype, shape and the file's size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from libkk.errors import CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+# safetensors dtype names -> torch dtypes.
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+CHUNK_BYTES = 64 << 20
+SLOTS = 16
+MAX_THREADS = 8
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of the first byte in the file
+    nbytes: int
+
+
+def tensor_spans(path: Path, names: Sequence[str]) -> list[TensorSpan] | None:
+    """The byte ranges of `names` in the safetensors file at `path`, in the order given; None if
+    one has a dtype this reader does not map (read that file through safetensors instead)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{str(path)!r} is too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise CorruptCheckpointError(f"{str(path)!r}: its header runs past the file's end")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(f"{str(path)!r}: unreadable header ({e})") from None
+    spans = []
+    for name in names:
+        entry = header.get(name)
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"{str(path)!r} lacks tensor {name!r}")
+        if entry.get("dtype") not in _DTYPES:
+            return None
+        dtype, shape = _DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        nbytes = dtype.itemsize * _numel(shape)
+        if end - begin != nbytes or begin < 0 or 8 + header_len + end > size:
+            raise CorruptCheckpointError(
+                f"{str(path)!r}: tensor {name!r} ({entry['dtype']} {list(shape)}) has bytes "
+                f"{begin}..{end} in a file of {size} bytes (truncated or corrupt?)"
+            )
+        spans.append(TensorSpan(name, dtype, shape, 8 + header_len + begin, nbytes))
+    return spans
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    tensor: int  # its index in the spans being read
+    offset: int  # in the file
+    nbytes: int
+    into: int  # byte offset in its tensor
+
+
+@dataclass(frozen=True)
+class _Read:
+    chunk: _Chunk
+    slot: int
+    done: Future
+
+
+class StagedReader:
+    """Reads tensors of safetensors files onto `device` through `slots` host buffers.
+
+    Use as a context manager; `read(path, spans)` yields (name, device tensor) in order, one
+    file at a time. The copies run on the current stream, so work the caller queues after them
+    sees the bytes.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        chunk_bytes: int = CHUNK_BYTES,
+        slots: int = SLOTS,
+        threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.slots = slots
+        self.threads = threads or min(MAX_THREADS, os.cpu_count() or 1)
+        self._host: torch.Tensor | None = None
+        self._registered = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._uploads: list[torch.cuda.Event | None] = [None] * slots  # each slot's last upload
+        self._next_slot = 0
+
+    def __enter__(self) -> StagedReader:
+        self._host = torch.empty(self.slots * self.chunk_bytes, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            # Page-locked for asynchronous uploads; registered here rather than taken from torch's
+            # pinned allocator, which would keep it cached for the process's life.
+            err = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), self._host.numel(), 0)
+            self._registered = int(err) == 0
+            if not self._registered:
+                logger.info("weights load through pageable buffers (cudaHostRegister: %s)", err)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="libkk-read")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # uploads out of the buffers
+            if self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+        self._host = None
+
+    def read(self, path: Path, spans: Sequence[TensorSpan]) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self._host is not None and self._pool is not None, "use StagedReader as a context"
+        counts = [-(-span.nbytes // self.chunk_bytes) for span in spans]
+        chunks = iter(
+            [
+                _Chunk(t, span.offset + start, min(self.chunk_bytes, span.nbytes - start), start)
+                for t, span in enumerate(spans)
+                for start in range(0, span.nbytes, self.chunk_bytes)
+            ]
+        )
+        fd = os.open(path, os.O_RDONLY)
+        reads: deque[_Read] = deque()  # in file order
+        try:
+            for _ in range(self.slots):
+                self._submit(fd, path, chunks, reads)
+            for t, span in enumerate(spans):
+                out = torch.empty(span.shape, dtype=span.dtype, device=self.device)
+                flat = out.view(-1).view(torch.uint8)
+                for _ in range(counts[t]):
+                    read = reads.popleft()
+                    assert read.chunk.tensor == t
+                    read.done.result()
+                    self._upload(read, flat)
+                    self._submit(fd, path, chunks, reads)
+                yield span.name, out
+        finally:  # reads still running (the caller stopped early, or one failed) end first
+            for read in reads:
+                read.done.exception()
+            os.close(fd)
+
+    def _submit(self, fd: int, path: Path, chunks: Iterator[_Chunk], reads: deque[_Read]) -> None:
+        chunk = next(chunks, None)
+        if chunk is None:
+            return
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
+        if self._uploads[slot] is not None:
+            self._uploads[slot].synchronize()  # the slot's previous bytes are on the device
+        reads.append(_Read(chunk, slot, self._pool.submit(self._fill, fd, path, slot, chunk)))
+
+    def _upload(self, read: _Read, flat: torch.Tensor) -> None:
+        c, start = read.chunk, read.slot * self.chunk_bytes
+        flat[c.into : c.into + c.nbytes].copy_(
+            self._host[start : start + c.nbytes], non_blocking=self._registered
+        )
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._uploads[read.slot] = event
+
+    def _fill(self, fd: int, path: Path, slot: int, chunk: _Chunk) -> None:
+        start = slot * self.chunk_bytes
+        view = memoryview(self._host[start : start + chunk.nbytes].numpy())
+        done = 0
+        while done < chunk.nbytes:  # a read may return fewer bytes than asked
+            got = os.preadv(fd, [view[done:]], chunk.offset + done)
+            if got <= 0:
+                raise CorruptCheckpointError(
+                    f"{str(path)!r} ended at byte {chunk.offset + done} while reading a tensor "
+                    "(truncated?)"
+                )
+            done += got

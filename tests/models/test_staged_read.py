@@ -1,0 +1,106 @@
+"""The staged safetensors reader (libkk/models/staged_read.py): bytes, order and errors, on the
+CPU with small chunks and few slots so tensors span chunks and the slots wrap many times."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from libkk.errors import CorruptCheckpointError
+from libkk.models.staged_read import StagedReader, tensor_spans
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(301, 17, generator=g).to(torch.bfloat16),  # many chunks
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "flags": torch.rand(9, generator=g) > 0.5,
+        "ids": torch.randint(-(2**40), 2**40, (13,), generator=g),
+        "packed": torch.randint(0, 256, (7, 33), dtype=torch.uint8, generator=g),
+        "fp8": torch.randn(5, 6, generator=g).to(torch.float8_e4m3fn),
+        "half": torch.randn(1000, generator=g).half(),
+    }
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(_tensors(), str(path))
+    return path
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("chunk_bytes,slots,threads", [(64, 2, 1), (1000, 3, 2), (1 << 20, 16, 4)])
+def test_reads_every_tensor_bit_for_bit_in_the_order_asked(checkpoint, chunk_bytes, slots, threads):
+    expected = load_file(str(checkpoint))
+    names = ["half", "embed", "scalar", "empty", "flags", "ids", "packed", "fp8"]
+    spans = tensor_spans(checkpoint, names)
+    with StagedReader(torch.device("cpu"), chunk_bytes, slots, threads) as reader:
+        got = list(reader.read(checkpoint, spans))
+    assert [name for name, _ in got] == names
+    for name, tensor in got:
+        want = expected[name]
+        assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+        assert torch.equal(_bytes(tensor), _bytes(want)), name
+
+
+def test_reads_several_files_through_one_reader(tmp_path):
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": torch.arange(500, dtype=torch.float32)}, str(first))
+    save_file({"y": torch.arange(700, dtype=torch.int32), "z": torch.ones(3)}, str(second))
+    with StagedReader(torch.device("cpu"), chunk_bytes=256, slots=3, threads=2) as reader:
+        x = dict(reader.read(first, tensor_spans(first, ["x"])))
+        yz = dict(reader.read(second, tensor_spans(second, ["z", "y"])))
+    assert torch.equal(x["x"], torch.arange(500, dtype=torch.float32))
+    assert torch.equal(yz["y"], torch.arange(700, dtype=torch.int32))
+    assert torch.equal(yz["z"], torch.ones(3))
+
+
+def test_a_caller_that_stops_early_leaves_no_read_running(checkpoint):
+    spans = tensor_spans(checkpoint, ["embed", "half", "ids"])
+    with StagedReader(torch.device("cpu"), chunk_bytes=64, slots=4, threads=2) as reader:
+        stream = reader.read(checkpoint, spans)
+        name, _ = next(stream)
+        stream.close()  # waits for the reads in flight, closes the file
+        assert name == "embed"
+        # The reader still works afterwards.
+        ((_, ids),) = reader.read(checkpoint, tensor_spans(checkpoint, ["ids"]))
+    assert torch.equal(ids, load_file(str(checkpoint))["ids"])
+
+
+def test_a_file_cut_short_after_its_header_was_read_fails_with_the_file_named(checkpoint):
+    spans = tensor_spans(checkpoint, list(_tensors()))
+    os.truncate(checkpoint, spans[0].offset + 10)
+    with StagedReader(torch.device("cpu"), chunk_bytes=64, slots=2, threads=1) as reader:
+        with pytest.raises(CorruptCheckpointError, match="model.safetensors.*truncated"):
+            list(reader.read(checkpoint, spans))
+
+
+def test_spans_reject_a_truncated_file_and_a_missing_tensor(checkpoint):
+    size = checkpoint.stat().st_size
+    with pytest.raises(CorruptCheckpointError, match="lacks tensor 'nope'"):
+        tensor_spans(checkpoint, ["nope"])
+    os.truncate(checkpoint, size - 1)
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt"):
+        tensor_spans(checkpoint, list(_tensors()))
+    os.truncate(checkpoint, 5)
+    with pytest.raises(CorruptCheckpointError, match="too short"):
+        tensor_spans(checkpoint, ["embed"])
+
+
+def test_spans_give_way_to_safetensors_for_a_dtype_they_do_not_map(tmp_path):
+    import json
+    import struct
+
+    header = json.dumps({"odd": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    assert tensor_spans(path, ["odd"]) is None
