@@ -348,19 +348,24 @@ def _iter_tensors(
     staged: StagedReader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) from each file; `current` names the open file. The tensors are
-    memory-mapped CPU tensors, or device tensors through `staged`. `read(file, name)`, when
-    given, reads a tensor instead of `get_tensor` (a rank's part)."""
+    device tensors through `staged` (when it maps every file's dtypes), else memory-mapped CPU
+    tensors. `read(file, name)`, when given, reads a tensor instead of `get_tensor` (a rank's
+    part)."""
+    spans = [tensor_spans(s.path, s.names) for s in shards] if staged is not None else []
+    if spans and all(s is not None for s in spans):
+        try:
+            for f, name, tensor in staged.read(
+                [(s.path, sp) for s, sp in zip(shards, spans, strict=True)]
+            ):
+                current[:] = [shards[f].path]
+                yield name, tensor
+                bar.update(1)
+        except OSError as e:  # names the file
+            raise CorruptCheckpointError(f"cannot read the checkpoint: {e}") from None
+        current.clear()
+        return
     for shard in shards:
         current[:] = [shard.path]
-        spans = tensor_spans(shard.path, shard.names) if staged is not None else None
-        if spans is not None:
-            try:
-                for name, tensor in staged.read(shard.path, spans):
-                    yield name, tensor
-                    bar.update(1)
-            except OSError as e:
-                raise CorruptCheckpointError(f"cannot read {str(shard.path)!r}: {e}") from None
-            continue
         try:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.names:

@@ -106,7 +106,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class _Chunk:
-    tensor: int  # its index in the spans being read
+    tensor: int  # its index among every span being read
+    file: int  # its file's index
     offset: int  # in the file
     nbytes: int
     into: int  # byte offset in its tensor
@@ -122,9 +123,8 @@ class _Read:
 class StagedReader:
     """Reads tensors of safetensors files onto `device` through `slots` host buffers.
 
-    Use as a context manager; `read(path, spans)` yields (name, device tensor) in order, one
-    file at a time. The copies run on the current stream, so work the caller queues after them
-    sees the bytes.
+    Use as a context manager; `read(files)` yields the tensors in order. The copies run on the
+    current stream, so work the caller queues after them sees the bytes.
     """
 
     def __init__(
@@ -165,22 +165,30 @@ class StagedReader:
                 torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
         self._host = None
 
-    def read(self, path: Path, spans: Sequence[TensorSpan]) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(
+        self, files: Sequence[tuple[Path, Sequence[TensorSpan]]]
+    ) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """(file index, name, device tensor) for each span of each file, in order. The reads run
+        ahead across file boundaries, so many small files cost no more than one large one."""
         assert self._host is not None and self._pool is not None, "use StagedReader as a context"
-        counts = [-(-span.nbytes // self.chunk_bytes) for span in spans]
-        chunks = iter(
-            [
-                _Chunk(t, span.offset + start, min(self.chunk_bytes, span.nbytes - start), start)
-                for t, span in enumerate(spans)
-                for start in range(0, span.nbytes, self.chunk_bytes)
-            ]
-        )
-        fd = os.open(path, os.O_RDONLY)
+        paths = [path for path, _ in files]
+        spans = [(f, span) for f, (_, file_spans) in enumerate(files) for span in file_spans]
+        counts = [-(-span.nbytes // self.chunk_bytes) for _, span in spans]
+        fds: list[int] = []
         reads: deque[_Read] = deque()  # in file order
         try:
+            for path in paths:
+                fds.append(os.open(path, os.O_RDONLY))
+            chunks = iter(
+                [
+                    _Chunk(t, f, span.offset + at, min(self.chunk_bytes, span.nbytes - at), at)
+                    for t, (f, span) in enumerate(spans)
+                    for at in range(0, span.nbytes, self.chunk_bytes)
+                ]
+            )
             for _ in range(self.slots):
-                self._submit(fd, path, chunks, reads)
-            for t, span in enumerate(spans):
+                self._submit(fds, paths, chunks, reads)
+            for t, (f, span) in enumerate(spans):
                 out = torch.empty(span.shape, dtype=span.dtype, device=self.device)
                 flat = out.view(-1).view(torch.uint8)
                 for _ in range(counts[t]):
@@ -188,21 +196,25 @@ class StagedReader:
                     assert read.chunk.tensor == t
                     read.done.result()
                     self._upload(read, flat)
-                    self._submit(fd, path, chunks, reads)
-                yield span.name, out
+                    self._submit(fds, paths, chunks, reads)
+                yield f, span.name, out
         finally:  # reads still running (the caller stopped early, or one failed) end first
             for read in reads:
                 read.done.exception()
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
-    def _submit(self, fd: int, path: Path, chunks: Iterator[_Chunk], reads: deque[_Read]) -> None:
+    def _submit(
+        self, fds: list[int], paths: list[Path], chunks: Iterator[_Chunk], reads: deque[_Read]
+    ) -> None:
         chunk = next(chunks, None)
         if chunk is None:
             return
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
         if self._uploads[slot] is not None:
             self._uploads[slot].synchronize()  # the slot's previous bytes are on the device
-        reads.append(_Read(chunk, slot, self._pool.submit(self._fill, fd, path, slot, chunk)))
+        done = self._pool.submit(self._fill, fds[chunk.file], paths[chunk.file], slot, chunk)
+        reads.append(_Read(chunk, slot, done))
 
     def _upload(self, read: _Read, flat: torch.Tensor) -> None:
         c, start = read.chunk, read.slot * self.chunk_bytes
@@ -219,7 +231,10 @@ class StagedReader:
         view = memoryview(self._host[start : start + chunk.nbytes].numpy())
         done = 0
         while done < chunk.nbytes:  # a read may return fewer bytes than asked
-            got = os.preadv(fd, [view[done:]], chunk.offset + done)
+            try:
+                got = os.preadv(fd, [view[done:]], chunk.offset + done)
+            except OSError as e:
+                raise CorruptCheckpointError(f"cannot read {str(path)!r}: {e}") from None
             if got <= 0:
                 raise CorruptCheckpointError(
                     f"{str(path)!r} ended at byte {chunk.offset + done} while reading a tensor "

@@ -44,35 +44,43 @@ def test_reads_every_tensor_bit_for_bit_in_the_order_asked(checkpoint, chunk_byt
     names = ["half", "embed", "scalar", "empty", "flags", "ids", "packed", "fp8"]
     spans = tensor_spans(checkpoint, names)
     with StagedReader(torch.device("cpu"), chunk_bytes, slots, threads) as reader:
-        got = list(reader.read(checkpoint, spans))
-    assert [name for name, _ in got] == names
-    for name, tensor in got:
+        got = list(reader.read([(checkpoint, spans)]))
+    assert [name for _, name, _ in got] == names
+    for _, name, tensor in got:
         want = expected[name]
         assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
         assert torch.equal(_bytes(tensor), _bytes(want)), name
 
 
-def test_reads_several_files_through_one_reader(tmp_path):
-    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    save_file({"x": torch.arange(500, dtype=torch.float32)}, str(first))
-    save_file({"y": torch.arange(700, dtype=torch.int32), "z": torch.ones(3)}, str(second))
-    with StagedReader(torch.device("cpu"), chunk_bytes=256, slots=3, threads=2) as reader:
-        x = dict(reader.read(first, tensor_spans(first, ["x"])))
-        yz = dict(reader.read(second, tensor_spans(second, ["z", "y"])))
-    assert torch.equal(x["x"], torch.arange(500, dtype=torch.float32))
-    assert torch.equal(yz["y"], torch.arange(700, dtype=torch.int32))
-    assert torch.equal(yz["z"], torch.ones(3))
+def test_reads_run_on_across_many_small_files(tmp_path):
+    files, expected = [], {}
+    for i in range(7):
+        path = tmp_path / f"model-{i}.safetensors"
+        tensors = {
+            f"w{i}": torch.arange(100 + 37 * i, dtype=torch.float32) + i,
+            f"b{i}": torch.ones(i),
+        }
+        save_file(tensors, str(path))
+        files.append((path, tensor_spans(path, sorted(tensors))))
+        expected.update(tensors)
+    with StagedReader(torch.device("cpu"), chunk_bytes=128, slots=5, threads=3) as reader:
+        got = list(reader.read(files))
+    assert [(f, name) for f, name, _ in got] == [
+        (i, name) for i, (_, spans) in enumerate(files) for name in (s.name for s in spans)
+    ]
+    for _, name, tensor in got:
+        assert torch.equal(tensor, expected[name]), name
 
 
 def test_a_caller_that_stops_early_leaves_no_read_running(checkpoint):
     spans = tensor_spans(checkpoint, ["embed", "half", "ids"])
     with StagedReader(torch.device("cpu"), chunk_bytes=64, slots=4, threads=2) as reader:
-        stream = reader.read(checkpoint, spans)
-        name, _ = next(stream)
+        stream = reader.read([(checkpoint, spans)])
+        _, name, _ = next(stream)
         stream.close()  # waits for the reads in flight, closes the file
         assert name == "embed"
         # The reader still works afterwards.
-        ((_, ids),) = reader.read(checkpoint, tensor_spans(checkpoint, ["ids"]))
+        ((_, _, ids),) = reader.read([(checkpoint, tensor_spans(checkpoint, ["ids"]))])
     assert torch.equal(ids, load_file(str(checkpoint))["ids"])
 
 
@@ -81,7 +89,7 @@ def test_a_file_cut_short_after_its_header_was_read_fails_with_the_file_named(ch
     os.truncate(checkpoint, spans[0].offset + 10)
     with StagedReader(torch.device("cpu"), chunk_bytes=64, slots=2, threads=1) as reader:
         with pytest.raises(CorruptCheckpointError, match="model.safetensors.*truncated"):
-            list(reader.read(checkpoint, spans))
+            list(reader.read([(checkpoint, spans)]))
 
 
 def test_spans_reject_a_truncated_file_and_a_missing_tensor(checkpoint):
