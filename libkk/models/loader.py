@@ -37,7 +37,7 @@ from libkk.layers.quant_moe import MoeOptions, finalize_moe_layers, moe_options
 from libkk.models.arch_config import ArchConfig, parse_arch_config
 from libkk.models.registry import get_model_class
 from libkk.models.sharded_read import ShardedReader, check_csf_split
-from libkk.models.staged_read import StagedReader, tensor_spans
+from libkk.models.staged_read import StagedReader, TensorSpan, tensor_spans, worth_staging
 from libkk.quant.checkpoint import (
     QUANT_CONFIG,
     dequantize_stream,
@@ -111,6 +111,7 @@ def load_model(
         or config.fp8_block_weights
     )
     stage = torch.device(device).type == "cuda" and reader is None and not transformed
+    staged_files = _stageable(shards) if stage else None
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
     with (
@@ -121,11 +122,12 @@ def load_model(
             file=sys.stderr,
             disable=not progress,
         ) as bar,
-        StagedReader(device) if stage else contextlib.nullcontext() as staged,
+        StagedReader(device) if staged_files else contextlib.nullcontext() as staged,
     ):
-        tensors = _iter_tensors(
-            shards, current, bar, None if reader is None else reader.read, staged
-        )
+        if staged_files:
+            tensors = _staged_tensors(staged, staged_files, shards, current, bar)
+        else:
+            tensors = _iter_tensors(shards, current, bar, None if reader is None else reader.read)
         if quant is None and moe_weight_format is not None:
             # Quantized on load through the same path a quantized checkpoint takes.
             tensors = quantize_stream(tensors, moe_weight_format)
@@ -340,30 +342,41 @@ def _read_keys(path: Path) -> list[str]:
         ) from None
 
 
+def _stageable(shards: list[Shard]) -> list[tuple[Path, list[TensorSpan]]] | None:
+    """Each file with its tensors' byte ranges, if the staged reader maps every dtype and the
+    tensors are large enough to gain from it; else None (memory-mapped reads)."""
+    spans = [tensor_spans(s.path, s.names) for s in shards]
+    if any(s is None for s in spans) or not worth_staging([t for s in spans for t in s]):
+        return None
+    return [(s.path, sp) for s, sp in zip(shards, spans, strict=True)]
+
+
+def _staged_tensors(
+    staged: StagedReader,
+    files: list[tuple[Path, list[TensorSpan]]],
+    shards: list[Shard],
+    current: list[Path],
+    bar: tqdm,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, device tensor) read through `staged`; `current` names the file."""
+    try:
+        for f, name, tensor in staged.read(files):
+            current[:] = [shards[f].path]
+            yield name, tensor
+            bar.update(1)
+    except OSError as e:  # names the file
+        raise CorruptCheckpointError(f"cannot read the checkpoint: {e}") from None
+    current.clear()
+
+
 def _iter_tensors(
     shards: list[Shard],
     current: list[Path],
     bar: tqdm,
     read: Callable[[Any, str], torch.Tensor] | None = None,
-    staged: StagedReader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from each file; `current` names the open file. The tensors are
-    device tensors through `staged` (when it maps every file's dtypes), else memory-mapped CPU
-    tensors. `read(file, name)`, when given, reads a tensor instead of `get_tensor` (a rank's
-    part)."""
-    spans = [tensor_spans(s.path, s.names) for s in shards] if staged is not None else []
-    if spans and all(s is not None for s in spans):
-        try:
-            for f, name, tensor in staged.read(
-                [(s.path, sp) for s, sp in zip(shards, spans, strict=True)]
-            ):
-                current[:] = [shards[f].path]
-                yield name, tensor
-                bar.update(1)
-        except OSError as e:  # names the file
-            raise CorruptCheckpointError(f"cannot read the checkpoint: {e}") from None
-        current.clear()
-        return
+    """Yields (name, CPU tensor) memory-mapped from each file; `current` names the open file.
+    `read(file, name)`, when given, reads a tensor instead of `get_tensor` (a rank's part)."""
     for shard in shards:
         current[:] = [shard.path]
         try:

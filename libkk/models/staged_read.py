@@ -49,6 +49,11 @@ _DTYPES = {
 }
 if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+# Each tensor costs the pipeline a read, an upload and a wait of its own: a checkpoint of many
+# small tensors (4-bit experts, each projection a tensor: about 0.35 MB on average at the
+# Qwen3-30B-A3B shape) loaded slower through it than memory-mapped, one of large ones (41 MB on
+# average at the Qwen3-8B shape) 2.4x faster (benchmarks/RESULTS.md, 2026-12-02).
+MIN_MEAN_TENSOR_BYTES = 4 << 20
 CHUNK_BYTES = 64 << 20
 SLOTS = 16
 MAX_THREADS = 8
@@ -95,6 +100,11 @@ def tensor_spans(path: Path, names: Sequence[str]) -> list[TensorSpan] | None:
             )
         spans.append(TensorSpan(name, dtype, shape, 8 + header_len + begin, nbytes))
     return spans
+
+
+def worth_staging(spans: Sequence[TensorSpan]) -> bool:
+    """Whether tensors this size on average load faster staged than memory-mapped."""
+    return bool(spans) and sum(s.nbytes for s in spans) >= MIN_MEAN_TENSOR_BYTES * len(spans)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -16,17 +16,20 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_both_ways(path, dtype, monkeypatch) -> tuple[dict, dict]:  # noqa: ANN001
-    calls = []
-    spans = loader.tensor_spans
+    """The model's weights loaded staged (forced: these tiny tensors would be memory-mapped),
+    then memory-mapped."""
+    files_read = []
+    read = loader.StagedReader.read
 
-    def counting(*args):  # noqa: ANN002, ANN202
-        calls.append(args[0])
-        return spans(*args)
+    def counting(self, files):  # noqa: ANN001, ANN202
+        files_read.extend(files)
+        return read(self, files)
 
-    monkeypatch.setattr(loader, "tensor_spans", counting)
+    monkeypatch.setattr(loader, "worth_staging", lambda spans: True)
+    monkeypatch.setattr(loader.StagedReader, "read", counting)
     staged, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
-    assert calls, "the CUDA load did not go through the staged reader"
-    monkeypatch.setattr(loader, "tensor_spans", lambda *args: None)  # every file memory-mapped
+    assert files_read, "the CUDA load did not go through the staged reader"
+    monkeypatch.setattr(loader, "worth_staging", lambda spans: False)
     mapped, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
     return _state(staged), _state(mapped)
 

@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from libkk.errors import CorruptCheckpointError
-from libkk.models.staged_read import StagedReader, tensor_spans
+from libkk.models.staged_read import (
+    MIN_MEAN_TENSOR_BYTES,
+    StagedReader,
+    TensorSpan,
+    tensor_spans,
+    worth_staging,
+)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -112,3 +118,15 @@ def test_spans_give_way_to_safetensors_for_a_dtype_they_do_not_map(tmp_path):
     path = tmp_path / "odd.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
     assert tensor_spans(path, ["odd"]) is None
+
+
+def test_only_checkpoints_of_large_tensors_on_average_are_worth_staging():
+    def spans(*sizes: int) -> list[TensorSpan]:
+        return [TensorSpan(f"t{i}", torch.uint8, (n,), 0, n) for i, n in enumerate(sizes)]
+
+    big, small = MIN_MEAN_TENSOR_BYTES, MIN_MEAN_TENSOR_BYTES // 4
+    assert worth_staging(spans(2 * big, big, 1))  # a norm beside large projections
+    assert worth_staging(spans(4 * big, small, small, small))
+    assert not worth_staging(spans(small, small, 2 * big))  # mean just short
+    assert not worth_staging(spans(*[small] * 100))  # many small expert tensors
+    assert not worth_staging([])
