@@ -50,7 +50,7 @@ _DTYPES = {
 if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 # Each tensor costs the pipeline a read, an upload and a wait of its own: a checkpoint of many
-# small tensors (4-bit experts, each projection a tensor: about 0.35 MB on average at the
+# small tensors (4-bit experts, three tensors a projection: 0.37 MB on average over 55.7k at the
 # Qwen3-30B-A3B shape) loaded slower through it than memory-mapped, one of large ones (41 MB on
 # average at the Qwen3-8B shape) 2.4x faster (benchmarks/RESULTS.md, 2026-12-02).
 MIN_MEAN_TENSOR_BYTES = 4 << 20
