@@ -67,3 +67,10 @@ def matmul_rate(device: str = "cuda") -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     return 2 * n**3 / time_cuda(lambda: a @ b, 10)
+
+
+def upload_bandwidth(device: str = "cuda") -> float:
+    """Bytes/s of a page-locked host-to-device copy, 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device=device)
+    return src.numel() / time_cuda(lambda: dst.copy_(src, non_blocking=True), 5)

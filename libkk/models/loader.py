@@ -111,7 +111,7 @@ def load_model(
         or config.fp8_block_weights
     )
     stage = torch.device(device).type == "cuda" and reader is None and not transformed
-    staged_files = _stageable(shards) if stage else None
+    staged_files = stageable(shards) if stage else None
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
     with (
@@ -342,7 +342,7 @@ def _read_keys(path: Path) -> list[str]:
         ) from None
 
 
-def _stageable(shards: list[Shard]) -> list[tuple[Path, list[TensorSpan]]] | None:
+def stageable(shards: list[Shard]) -> list[tuple[Path, list[TensorSpan]]] | None:
     """Each file with its tensors' byte ranges, if the staged reader maps every dtype and the
     tensors are large enough to gain from it; else None (memory-mapped reads)."""
     spans = [tensor_spans(s.path, s.names) for s in shards]
