@@ -3,9 +3,10 @@
 Copying a memory-mapped tensor to the GPU reads the file one page fault at a time on one thread,
 then makes the driver stage the pageable bytes again. Here worker threads `pread` the file's bytes
 (the call releases the GIL) into page-locked host buffers while the copies of earlier buffers run
-on the device, so reading, faulting and uploading overlap; each tensor arrives as a device tensor
-of the file's dtype and shape, for the model's weight loaders to copy from (a device-to-device
-copy). Host memory used: `slots * chunk_bytes`, released at the end.
+on the device, so reading, faulting and uploading overlap. Tensors that lie back to back in a
+file are read and uploaded as one run of up to `chunk_bytes`; each arrives as a device tensor of
+the file's dtype and shape (a view into its run's buffer), for the model's weight loaders to copy
+from (a device-to-device copy). Host memory used: `slots * chunk_bytes`, released at the end.
 
 The files' headers were checked before (`loader.checkpoint_shards`); every tensor's byte range is
 checked again here against its dtype, shape and the file's size.
@@ -49,10 +50,12 @@ _DTYPES = {
 }
 if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-# Each tensor costs the pipeline a read, an upload and a wait of its own: a checkpoint of many
-# small tensors (4-bit experts, three tensors a projection: 0.37 MB on average over 55.7k at the
-# Qwen3-30B-A3B shape) loaded slower through it than memory-mapped, one of large ones (41 MB on
-# average at the Qwen3-8B shape) 2.4x faster (benchmarks/RESULTS.md, 2026-12-02).
+# Measured with a reader that took each tensor as a read, an upload and a wait of its own: a
+# checkpoint of many small tensors (4-bit experts, three tensors a projection: 0.37 MB on average
+# over 55.7k at the Qwen3-30B-A3B shape) loaded slower staged than memory-mapped, one of large
+# ones (41 MB on average at the Qwen3-8B shape) 2.4x faster (benchmarks/RESULTS.md, 2026-12-02).
+# Runs of back-to-back tensors now share a read and an upload; `benchmarks/load.py` (which can
+# force staging) says whether that lets small tensors through too.
 MIN_MEAN_TENSOR_BYTES = 4 << 20
 CHUNK_BYTES = 64 << 20
 SLOTS = 16
@@ -115,12 +118,51 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
+class _Run:
+    """Whole tensors that lie back to back in one file, read, uploaded and allocated as one: a
+    run of small tensors (an MoE layer's experts) costs one upload, not one each."""
+
+    file: int
+    offset: int  # in the file
+    nbytes: int
+    spans: tuple[TensorSpan, ...]
+
+
+def _runs(files: Sequence[tuple[Path, Sequence[TensorSpan]]], max_bytes: int) -> list[_Run]:
+    """Each file's tensors in file order, in runs of at most `max_bytes` (a larger tensor is a
+    run of its own)."""
+    runs = []
+    for f, (_, spans) in enumerate(files):
+        members: list[TensorSpan] = []
+        start = end = 0
+        for span in sorted(spans, key=lambda s: s.offset):
+            if members and span.offset == end and end + span.nbytes - start <= max_bytes:
+                members.append(span)
+                end += span.nbytes
+                continue
+            if members:
+                runs.append(_Run(f, start, end - start, tuple(members)))
+            members, start, end = [span], span.offset, span.offset + span.nbytes
+        if members:
+            runs.append(_Run(f, start, end - start, tuple(members)))
+    return runs
+
+
+def _tensor_at(buf: torch.Tensor, at: int, span: TensorSpan) -> torch.Tensor:
+    """The tensor `span` describes, from its bytes at `buf[at:]`."""
+    raw = buf[at : at + span.nbytes]
+    if at % span.dtype.itemsize:  # a view as a wider dtype must start on an element
+        raw = raw.clone()
+    return raw.view(span.dtype).view(span.shape)
+
+
+@dataclass(frozen=True)
 class _Chunk:
-    tensor: int  # its index among every span being read
+    run: int  # its index among the runs being read
     file: int  # its file's index
     offset: int  # in the file
     nbytes: int
-    into: int  # byte offset in its tensor
+    into: int  # byte offset in its run
 
 
 @dataclass(frozen=True)
@@ -133,8 +175,8 @@ class _Read:
 class StagedReader:
     """Reads tensors of safetensors files onto `device` through `slots` host buffers.
 
-    Use as a context manager; `read(files)` yields the tensors in order. The copies run on the
-    current stream, so work the caller queues after them sees the bytes.
+    Use as a context manager; `read(files)` yields the tensors. The copies run on the current
+    stream, so work the caller queues after them sees the bytes.
     """
 
     def __init__(
@@ -178,12 +220,13 @@ class StagedReader:
     def read(
         self, files: Sequence[tuple[Path, Sequence[TensorSpan]]]
     ) -> Iterator[tuple[int, str, torch.Tensor]]:
-        """(file index, name, device tensor) for each span of each file, in order. The reads run
-        ahead across file boundaries, so many small files cost no more than one large one."""
+        """(file index, name, device tensor) for each span of each file, in file order. The
+        reads run ahead across file boundaries, so many small files cost no more than one large
+        one; a tensor may be a view into a buffer it shares with its neighbours in the file."""
         assert self._host is not None and self._pool is not None, "use StagedReader as a context"
         paths = [path for path, _ in files]
-        spans = [(f, span) for f, (_, file_spans) in enumerate(files) for span in file_spans]
-        counts = [-(-span.nbytes // self.chunk_bytes) for _, span in spans]
+        runs = _runs(files, self.chunk_bytes)
+        counts = [-(-run.nbytes // self.chunk_bytes) for run in runs]
         fds: list[int] = []
         reads: deque[_Read] = deque()  # in file order
         try:
@@ -191,23 +234,23 @@ class StagedReader:
                 fds.append(os.open(path, os.O_RDONLY))
             chunks = iter(
                 [
-                    _Chunk(t, f, span.offset + at, min(self.chunk_bytes, span.nbytes - at), at)
-                    for t, (f, span) in enumerate(spans)
-                    for at in range(0, span.nbytes, self.chunk_bytes)
+                    _Chunk(r, run.file, run.offset + at, min(self.chunk_bytes, run.nbytes - at), at)
+                    for r, run in enumerate(runs)
+                    for at in range(0, run.nbytes, self.chunk_bytes)
                 ]
             )
             for _ in range(self.slots):
                 self._submit(fds, paths, chunks, reads)
-            for t, (f, span) in enumerate(spans):
-                out = torch.empty(span.shape, dtype=span.dtype, device=self.device)
-                flat = out.view(-1).view(torch.uint8)
-                for _ in range(counts[t]):
+            for r, run in enumerate(runs):
+                buf = torch.empty(run.nbytes, dtype=torch.uint8, device=self.device)
+                for _ in range(counts[r]):
                     read = reads.popleft()
-                    assert read.chunk.tensor == t
+                    assert read.chunk.run == r
                     read.done.result()
-                    self._upload(read, flat)
+                    self._upload(read, buf)
                     self._submit(fds, paths, chunks, reads)
-                yield f, span.name, out
+                for span in run.spans:
+                    yield run.file, span.name, _tensor_at(buf, span.offset - run.offset, span)
         finally:  # reads still running (the caller stopped early, or one failed) end first
             for read in reads:
                 read.done.exception()
@@ -226,9 +269,9 @@ class StagedReader:
         done = self._pool.submit(self._fill, fds[chunk.file], paths[chunk.file], slot, chunk)
         reads.append(_Read(chunk, slot, done))
 
-    def _upload(self, read: _Read, flat: torch.Tensor) -> None:
+    def _upload(self, read: _Read, buf: torch.Tensor) -> None:
         c, start = read.chunk, read.slot * self.chunk_bytes
-        flat[c.into : c.into + c.nbytes].copy_(
+        buf[c.into : c.into + c.nbytes].copy_(
             self._host[start : start + c.nbytes], non_blocking=self._registered
         )
         if self.device.type == "cuda":

@@ -14,6 +14,7 @@ from libkk.models.staged_read import (
     MIN_MEAN_TENSOR_BYTES,
     StagedReader,
     TensorSpan,
+    _runs,
     tensor_spans,
     worth_staging,
 )
@@ -45,13 +46,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chunk_bytes,slots,threads", [(64, 2, 1), (1000, 3, 2), (1 << 20, 16, 4)])
-def test_reads_every_tensor_bit_for_bit_in_the_order_asked(checkpoint, chunk_bytes, slots, threads):
+def test_reads_every_tensor_bit_for_bit_in_file_order(checkpoint, chunk_bytes, slots, threads):
     expected = load_file(str(checkpoint))
     names = ["half", "embed", "scalar", "empty", "flags", "ids", "packed", "fp8"]
     spans = tensor_spans(checkpoint, names)
     with StagedReader(torch.device("cpu"), chunk_bytes, slots, threads) as reader:
         got = list(reader.read([(checkpoint, spans)]))
-    assert [name for _, name, _ in got] == names
+    assert [name for _, name, _ in got] == [s.name for s in sorted(spans, key=lambda s: s.offset)]
     for _, name, tensor in got:
         want = expected[name]
         assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
@@ -72,7 +73,9 @@ def test_reads_run_on_across_many_small_files(tmp_path):
     with StagedReader(torch.device("cpu"), chunk_bytes=128, slots=5, threads=3) as reader:
         got = list(reader.read(files))
     assert [(f, name) for f, name, _ in got] == [
-        (i, name) for i, (_, spans) in enumerate(files) for name in (s.name for s in spans)
+        (i, s.name)
+        for i, (_, spans) in enumerate(files)
+        for s in sorted(spans, key=lambda s: s.offset)
     ]
     for _, name, tensor in got:
         assert torch.equal(tensor, expected[name]), name
@@ -84,7 +87,7 @@ def test_a_caller_that_stops_early_leaves_no_read_running(checkpoint):
         stream = reader.read([(checkpoint, spans)])
         _, name, _ = next(stream)
         stream.close()  # waits for the reads in flight, closes the file
-        assert name == "embed"
+        assert name == min(spans, key=lambda s: s.offset).name
         # The reader still works afterwards.
         ((_, _, ids),) = reader.read([(checkpoint, tensor_spans(checkpoint, ["ids"]))])
     assert torch.equal(ids, load_file(str(checkpoint))["ids"])
@@ -130,3 +133,40 @@ def test_only_checkpoints_of_large_tensors_on_average_are_worth_staging():
     assert not worth_staging(spans(small, small, 2 * big))  # mean just short
     assert not worth_staging(spans(*[small] * 100))  # many small expert tensors
     assert not worth_staging([])
+
+
+def test_back_to_back_tensors_share_a_run_up_to_its_size_and_a_large_one_has_its_own():
+    def span(name: str, offset: int, nbytes: int) -> TensorSpan:
+        return TensorSpan(name, torch.uint8, (nbytes,), offset, nbytes)
+
+    a, b, c = span("a", 0, 40), span("b", 40, 50), span("c", 90, 20)  # a + b + c = 110 > 100
+    big = span("big", 110, 250)
+    gap = span("gap", 400, 10)  # not adjacent to big
+    runs = _runs([("f0", [gap, c, big, b, a]), ("f1", [span("d", 8, 5)])], max_bytes=100)
+    assert [(r.file, r.offset, r.nbytes, [s.name for s in r.spans]) for r in runs] == [
+        (0, 0, 90, ["a", "b"]),
+        (0, 90, 20, ["c"]),
+        (0, 110, 250, ["big"]),
+        (0, 400, 10, ["gap"]),
+        (1, 8, 5, ["d"]),
+    ]
+
+
+def test_a_tensor_that_starts_off_its_element_size_in_a_run_reads_right(tmp_path):
+    """safetensors files need not align tensors: 3 bytes, then an fp32 pair at byte 3."""
+    import json
+    import struct
+
+    pair = torch.tensor([1.5, -2.25])
+    header = json.dumps({
+        "odd": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "pair": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+    }).encode()  # fmt: skip
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(
+        struct.pack("<Q", len(header)) + header + b"\x07\x08\x09" + pair.numpy().tobytes()
+    )
+    with StagedReader(torch.device("cpu"), chunk_bytes=1 << 10, slots=2, threads=1) as reader:
+        got = {name: t for _, name, t in reader.read([(path, tensor_spans(path, ["pair", "odd"]))])}
+    assert torch.equal(got["odd"], torch.tensor([7, 8, 9], dtype=torch.uint8))
+    assert torch.equal(got["pair"], pair)
