@@ -170,3 +170,37 @@ def test_a_tensor_that_starts_off_its_element_size_in_a_run_reads_right(tmp_path
         got = {name: t for _, name, t in reader.read([(path, tensor_spans(path, ["pair", "odd"]))])}
     assert torch.equal(got["odd"], torch.tensor([7, 8, 9], dtype=torch.uint8))
     assert torch.equal(got["pair"], pair)
+
+
+def test_the_loader_stream_yields_every_tensor_of_a_sharded_checkpoint(tmp_path, monkeypatch):
+    """The loader's glue (`stageable`, `_staged_tensors`) over an indexed two-shard checkpoint,
+    staged on the CPU; a shard cut short afterwards fails naming that shard."""
+    import json
+
+    from tqdm import tqdm
+
+    import libkk.models.loader as loader
+
+    tensors = _tensors()
+    names = sorted(tensors)
+    parts = {"a.safetensors": names[:3], "b.safetensors": names[3:]}
+    for file, part in parts.items():
+        save_file({n: tensors[n] for n in part}, str(tmp_path / file))
+    index = {"weight_map": {n: f for f, part in parts.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    shards = loader.checkpoint_shards(tmp_path)
+    assert loader.stageable(shards) is None  # these tensors are far below the size gate
+    monkeypatch.setattr(loader, "worth_staging", lambda spans: True)
+    files = loader.stageable(shards)
+    current: list = []
+    with (
+        StagedReader(torch.device("cpu"), chunk_bytes=256, slots=3) as reader,
+        tqdm(disable=True) as bar,
+    ):
+        got = dict(loader._staged_tensors(reader, files, shards, current, bar))
+        assert sorted(got) == names
+        for name in names:
+            assert torch.equal(_bytes(got[name]), _bytes(tensors[name])), name
+        os.truncate(tmp_path / "b.safetensors", files[1][1][0].offset + 3)
+        with pytest.raises(CorruptCheckpointError, match="b.safetensors"):
+            list(loader._staged_tensors(reader, files, shards, current, bar))
