@@ -101,16 +101,16 @@ def load_model(
         presplit = not fp8_blocks and (moe_weight_format is None or packed)
         reader = ShardedReader(model.weight_slices, quant, presplit, packed_experts=packed)
 
-    # Tensors go to the device as they are read (staged_read.py), unless a stream below
-    # transforms them first (quantization on load, dequantization, FP8 blocks) or a rank reads
-    # only its part.
-    transformed = (
-        moe_weight_format is not None
-        or (quant is not None and moe.weight_format is None)
-        or quantization is not None
-        or config.fp8_block_weights
-    )
-    stage = torch.device(device).type == "cuda" and reader is None and not transformed
+    # The streams that work on the tensors on the host before the model takes them.
+    quantize_on_load = quant is None and moe_weight_format is not None
+    if quantize_on_load:  # through the same path a quantized checkpoint takes
+        quant = quant_config(moe_weight_format)
+    dequantize = quant is not None and moe.weight_format is None  # 4-bit experts, dequantized
+    fp8_dequantize = quantization == "fp8_per_block" or config.fp8_block_weights
+    # Otherwise the tensors go to the device as they are read (staged_read.py), unless a rank
+    # reads only its part.
+    host_streams = quantize_on_load or dequantize or fp8_dequantize
+    stage = torch.device(device).type == "cuda" and reader is None and not host_streams
     staged_files = stageable(shards) if stage else None
     current: list[Path] = []  # the file being read, for error messages
     total = sum(len(s.names) for s in shards)
@@ -128,15 +128,13 @@ def load_model(
             tensors = _staged_tensors(staged, staged_files, shards, current, bar)
         else:
             tensors = _iter_tensors(shards, current, bar, None if reader is None else reader.read)
-        if quant is None and moe_weight_format is not None:
-            # Quantized on load through the same path a quantized checkpoint takes.
+        if quantize_on_load:
             tensors = quantize_stream(tensors, moe_weight_format)
-            quant = quant_config(moe_weight_format)
-        if quant is not None and moe.weight_format is None:  # 4-bit experts: dequantized on read
+        if dequantize:
             tensors = dequantize_stream(tensors, quant, dtype)
         if quantization == "fp8_per_block":  # linears quantized on load, as a checkpoint holds them
             tensors = fp8_block_quantize_stream(tensors)
-        if quantization == "fp8_per_block" or config.fp8_block_weights:
+        if fp8_dequantize:
             tensors = fp8_block_dequantize_stream(tensors, dtype)
         if reader is not None:
             tensors = reader.slice_rest(tensors)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 from collections import deque
@@ -95,7 +96,7 @@ def tensor_spans(path: Path, names: Sequence[str]) -> list[TensorSpan] | None:
             return None
         dtype, shape = _DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
         begin, end = (int(x) for x in entry["data_offsets"])
-        nbytes = dtype.itemsize * _numel(shape)
+        nbytes = dtype.itemsize * math.prod(shape)
         if end - begin != nbytes or begin < 0 or 8 + header_len + end > size:
             raise CorruptCheckpointError(
                 f"{str(path)!r}: tensor {name!r} ({entry['dtype']} {list(shape)}) has bytes "
@@ -108,13 +109,6 @@ def tensor_spans(path: Path, names: Sequence[str]) -> list[TensorSpan] | None:
 def worth_staging(spans: Sequence[TensorSpan]) -> bool:
     """Whether tensors this size on average load faster staged than memory-mapped."""
     return bool(spans) and sum(s.nbytes for s in spans) >= MIN_MEAN_TENSOR_BYTES * len(spans)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass(frozen=True)
