@@ -100,6 +100,11 @@ def write_word_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
 
 
+def checkpoint_dir(root: Path, shape: str, experts: str = "bf16") -> Path:
+    """Where the random checkpoint of `shape` with `experts` weights lives under `root`."""
+    return root / (shape if experts == "bf16" else f"{shape}-{experts}")
+
+
 def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16") -> None:
     """Random weights in HF names, written shard by shard so host memory stays small; expert
     weights quantized to `experts` unless it is bf16."""
@@ -314,8 +319,7 @@ def main() -> None:
         print("no transformers row: it cannot run pre-quantized 4-bit experts", flush=True)
         args.no_peer = True
 
-    name = args.shape if args.experts == "bf16" else f"{args.shape}-{args.experts}"
-    path = Path(args.dir) / name
+    path = checkpoint_dir(Path(args.dir), args.shape, args.experts)
     t0 = time.perf_counter()
     write_checkpoint(args.shape, path, "cuda", args.experts)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}")
@@ -351,7 +355,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
-        f"\n{name} decode{' (async scheduling)' if rows and rows[0]['async_scheduling'] else ''}, "
+        f"\n{path.name} decode{' (async scheduling)' if rows and rows[0]['async_scheduling'] else ''}, "
         f"prompt {args.prompt}, {args.tokens} tokens, "
         f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
     )

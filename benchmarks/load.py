@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import SHAPES, write_checkpoint  # noqa: E402
+from decode import SHAPES, checkpoint_dir, write_checkpoint  # noqa: E402
 from floors import upload_bandwidth  # noqa: E402
 
 LIBKK_CHILD = """
@@ -67,8 +67,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    suffix = "" if args.experts == "bf16" else f"-{args.experts}"
-    path = Path(args.dir) / f"{args.shape}{suffix}"
+    path = checkpoint_dir(Path(args.dir), args.shape, args.experts)
     write_checkpoint(args.shape, path, "cuda", args.experts)
     files = sorted(path.glob("*.safetensors"))
     nbytes = sum(f.stat().st_size for f in files)
