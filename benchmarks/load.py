@@ -1,10 +1,10 @@
 """Weight load onto the GPU: libkk's loader reading through page-locked buffers filled by reader
 threads ("staged", models/staged_read.py) and through memory-mapped tensors ("mapped"), both
 forced, against transformers loading the same folder onto the device, and the floor (checkpoint
-bytes / page-locked upload bandwidth). The loader picks one of the two by the checkpoint's mean
-tensor size; the output says which.
+bytes / page-locked upload bandwidth). The loader stages checkpoints of `MIN_STAGED_BYTES` or
+more; the output says which it picks.
 
-    python benchmarks/load.py [--shape qwen3-8b|qwen3-30b-a3b] [--experts bf16|nvfp4]
+    python benchmarks/load.py [--shape qwen3-8b|qwen3-30b-a3b|tiny] [--experts bf16|nvfp4]
         [--dir /tmp/libkk-bench] [--repeats 3]
 
 Every figure is a fresh process timing the load alone (after the CUDA context exists), the cases
@@ -29,7 +29,10 @@ LIBKK_CHILD = """
 import sys, time, torch
 import libkk.models.loader as loader
 mode, path = sys.argv[1], sys.argv[2]
-loader.worth_staging = lambda spans: mode == "staged"
+if mode == "staged":
+    loader.worth_staging = lambda total_bytes: True
+else:
+    loader.stageable = lambda shards: None
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
 start = time.perf_counter()

@@ -342,9 +342,9 @@ def _read_keys(path: Path) -> list[str]:
 
 def stageable(shards: list[Shard]) -> list[tuple[Path, list[TensorSpan]]] | None:
     """Each file with its tensors' byte ranges, if the staged reader maps every dtype and the
-    tensors are large enough to gain from it; else None (memory-mapped reads)."""
+    checkpoint is large enough to gain from it; else None (memory-mapped reads)."""
     spans = [tensor_spans(s.path, s.names) for s in shards]
-    if any(s is None for s in spans) or not worth_staging([t for s in spans for t in s]):
+    if any(s is None for s in spans) or not worth_staging(sum(t.nbytes for s in spans for t in s)):
         return None
     return [(s.path, sp) for s, sp in zip(shards, spans, strict=True)]
 

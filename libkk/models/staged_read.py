@@ -51,16 +51,13 @@ _DTYPES = {
 }
 if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-# Measured with a reader that took each tensor as a read, an upload and a wait of its own: a
-# checkpoint of many small tensors (4-bit experts, three tensors a projection: 0.37 MB on average
-# over 55.7k at the Qwen3-30B-A3B shape) loaded slower staged than memory-mapped, one of large
-# ones (41 MB on average at the Qwen3-8B shape) 2.4x faster (benchmarks/RESULTS.md, 2026-12-02).
-# Runs of back-to-back tensors now share a read and an upload; `benchmarks/load.py` (which can
-# force staging) says whether that lets small tensors through too.
-MIN_MEAN_TENSOR_BYTES = 4 << 20
 CHUNK_BYTES = 64 << 20
 SLOTS = 16
 MAX_THREADS = 8
+# Below this a checkpoint loads faster memory-mapped: staging costs about 50 ms whatever the size
+# (threads, page-locking the ring) and saves about 80 ms a GB (benchmarks/RESULTS.md, 2026-12-02:
+# 10 MB in 0.06 s staged against 0.02 s mapped; 16.4 GB in 1.18 against 2.51 s).
+MIN_STAGED_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -106,9 +103,9 @@ def tensor_spans(path: Path, names: Sequence[str]) -> list[TensorSpan] | None:
     return spans
 
 
-def worth_staging(spans: Sequence[TensorSpan]) -> bool:
-    """Whether tensors this size on average load faster staged than memory-mapped."""
-    return bool(spans) and sum(s.nbytes for s in spans) >= MIN_MEAN_TENSOR_BYTES * len(spans)
+def worth_staging(total_bytes: int) -> bool:
+    """Whether a checkpoint of this many tensor bytes loads faster staged than memory-mapped."""
+    return total_bytes >= MIN_STAGED_BYTES
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_both_ways(path, dtype, monkeypatch) -> tuple[dict, dict]:  # noqa: ANN001
-    """The model's weights loaded staged (forced: these tiny tensors would be memory-mapped),
+    """The model's weights loaded staged (forced: a checkpoint this small would be memory-mapped),
     then memory-mapped."""
     files_read = []
     read = loader.StagedReader.read
@@ -25,11 +25,11 @@ def _load_both_ways(path, dtype, monkeypatch) -> tuple[dict, dict]:  # noqa: ANN
         files_read.extend(files)
         return read(self, files)
 
-    monkeypatch.setattr(loader, "worth_staging", lambda spans: True)
+    monkeypatch.setattr(loader, "worth_staging", lambda total_bytes: True)
     monkeypatch.setattr(loader.StagedReader, "read", counting)
     staged, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
     assert files_read, "the CUDA load did not go through the staged reader"
-    monkeypatch.setattr(loader, "worth_staging", lambda spans: False)
+    monkeypatch.setattr(loader, "stageable", lambda shards: None)
     mapped, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
     return _state(staged), _state(mapped)
 

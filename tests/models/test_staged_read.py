@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from libkk.errors import CorruptCheckpointError
 from libkk.models.staged_read import (
-    MIN_MEAN_TENSOR_BYTES,
+    MIN_STAGED_BYTES,
     StagedReader,
     TensorSpan,
     _runs,
@@ -123,16 +123,9 @@ def test_spans_give_way_to_safetensors_for_a_dtype_they_do_not_map(tmp_path):
     assert tensor_spans(path, ["odd"]) is None
 
 
-def test_only_checkpoints_of_large_tensors_on_average_are_worth_staging():
-    def spans(*sizes: int) -> list[TensorSpan]:
-        return [TensorSpan(f"t{i}", torch.uint8, (n,), 0, n) for i, n in enumerate(sizes)]
-
-    big, small = MIN_MEAN_TENSOR_BYTES, MIN_MEAN_TENSOR_BYTES // 4
-    assert worth_staging(spans(2 * big, big, 1))  # a norm beside large projections
-    assert worth_staging(spans(4 * big, small, small, small))
-    assert not worth_staging(spans(small, small, 2 * big))  # mean just short
-    assert not worth_staging(spans(*[small] * 100))  # many small expert tensors
-    assert not worth_staging([])
+def test_only_checkpoints_of_a_gigabyte_or_more_are_worth_staging():
+    assert worth_staging(MIN_STAGED_BYTES) and worth_staging(20 << 30)
+    assert not worth_staging(MIN_STAGED_BYTES - 1) and not worth_staging(0)
 
 
 def test_back_to_back_tensors_share_a_run_up_to_its_size_and_a_large_one_has_its_own():
@@ -189,8 +182,8 @@ def test_the_loader_stream_yields_every_tensor_of_a_sharded_checkpoint(tmp_path,
     index = {"weight_map": {n: f for f, part in parts.items() for n in part}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     shards = loader.checkpoint_shards(tmp_path)
-    assert loader.stageable(shards) is None  # these tensors are far below the size gate
-    monkeypatch.setattr(loader, "worth_staging", lambda spans: True)
+    assert loader.stageable(shards) is None  # far below the size that gains from staging
+    monkeypatch.setattr(loader, "worth_staging", lambda total_bytes: True)
     files = loader.stageable(shards)
     current: list = []
     with (
