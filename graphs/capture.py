@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from libkk.kernels import NeedsWarmUp
 from tqdm import tqdm
 
 from libkk.dist import enter_phase, lockstep, track_captured_graph
@@ -132,26 +133,38 @@ class DecodeGraphs:
         lockstep(f"decode graph plan (q, size): {keys}")
         bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
         for i, (q, size) in enumerate(bar):
-            name = f"decode graph q={q} size={size}"
             self._layout(q)
-            metadata = self._metadata(q, size)
-            ids, pos = self.input_ids[: size * q], self.positions[: size * q]
-            # The first graph's two warm-ups compile the forward, if compiled (torch.compile is
-            # lazy), and make the one-time state (cuBLAS workspaces, allocator blocks); later
-            # graphs need one, for the kernel variants of their own size.
-            lockstep(f"{name}: warm-up")
-            with set_forward_context(metadata):
-                for _ in range(2 if i == 0 else 1):
-                    self.forward(ids, pos)
-                torch.cuda.synchronize()
-                enter_phase(f"{name}: capture")
-                graph = torch.cuda.CUDAGraph()
-                track_captured_graph(graph)  # before: a failed capture is reset too
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[q, size] = self.forward(ids, pos)
-                    self.stashed[q, size] = self.stash() if self.stash else None
-            self.graphs[q, size] = graph
+            with set_forward_context(self._metadata(q, size)):
+                # The first graph's two warm-ups compile the forward, if compiled (torch.compile
+                # is lazy), and make the one-time state (cuBLAS workspaces, allocator blocks,
+                # loaded kernels). Later graphs capture straight away (their own kernel variants
+                # load during capture), unless an op needs a run outside capture first.
+                try:
+                    self._capture_one(q, size, warm_ups=2 if i == 0 else 0)
+                except NeedsWarmUp:
+                    self._capture_one(q, size, warm_ups=1)
         torch.cuda.synchronize()
+
+    def _capture_one(self, q: int, size: int, warm_ups: int) -> None:
+        name = f"decode graph q={q} size={size}"
+        ids, pos = self.input_ids[: size * q], self.positions[: size * q]
+        if warm_ups:
+            lockstep(f"{name}: warm-up")
+            for _ in range(warm_ups):
+                self.forward(ids, pos)
+            torch.cuda.synchronize()
+        enter_phase(f"{name}: capture")
+        graph = torch.cuda.CUDAGraph()
+        track_captured_graph(graph)  # before: a failed capture is reset too
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.forward(ids, pos)
+                stashed = self.stash() if self.stash else None
+        except NeedsWarmUp:
+            graph.reset()  # the partial capture: its memory goes back to the pool
+            raise
+        self.outputs[q, size], self.stashed[q, size] = output, stashed
+        self.graphs[q, size] = graph
 
     def _captures(self, q: int, size: int) -> bool:
         limit = self.middle_lens_max_size

@@ -7,6 +7,7 @@ for tests at small shapes).
 
 from __future__ import annotations
 
+from ._jit import NeedsWarmUp
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import default_num_splits, paged_attention, paged_attention_ref
 from .gemv import gate_up_silu, gate_up_silu_ref, linear, linear_ref
@@ -24,6 +25,7 @@ from .norm import (
 
 __all__ = [
     "FP8_DTYPE",
+    "NeedsWarmUp",
     "add_rms_norm",
     "add_rms_norm_ref",
     "default_num_splits",

@@ -30,6 +30,12 @@ from triton.runtime.jit import JITFunction
 INTERPRETED: bool = not isinstance(tl.zeros, JITFunction)
 
 
+class NeedsWarmUp(RuntimeError):
+    """Raised by an op under CUDA graph capture when it needs state that only a run outside
+    capture can make (a captured fill runs at replay, not before): the capturer runs the forward
+    once and captures again (graphs/capture.py)."""
+
+
 def jit(fn: Callable[..., Any]) -> Any:
     if INTERPRETED:
         from triton.runtime.interpreter import InterpretedFunction

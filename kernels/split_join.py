@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import jit
+from ._jit import NeedsWarmUp, jit
 
 
 @jit
@@ -55,11 +55,11 @@ _EVERY_BUFFER: list[torch.Tensor] = []
 
 def arrival_counts(device: torch.device, numel: int) -> torch.Tensor:
     """At least numel zeroed int32 arrival counts on device. Grown outside CUDA graph capture
-    only: run a split kernel once at its size before capturing it (the warm-up does)."""
+    only (NeedsWarmUp during one): a graph's zero fill would first run at its replay."""
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < numel:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
+            raise NeedsWarmUp(
                 f"the split-K arrival counts ({numel}) must be allocated before CUDA graph "
                 "capture: run the kernel once at this size first"
             )

@@ -173,6 +173,43 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
             assert not graphs.can_run(meta, sum(lens))
 
 
+def test_later_graphs_capture_without_a_warm_up_unless_an_op_needs_one(tiny_qwen3_dir):
+    """The first (largest) graph warms up twice, later ones capture straight away; an op that
+    needs a run outside capture (NeedsWarmUp) gets one, its graph is captured again, and every
+    graph replays as eager runs."""
+    from libkk.graphs.capture import DecodeGraphs
+    from libkk.kernels import NeedsWarmUp
+
+    from libkk import Session
+    from libkk.layers.forward_context import set_forward_context
+
+    with Session(str(tiny_qwen3_dir), device="cuda", dtype="float32", max_model_len=256,
+                 cudagraph_mode="NONE", torch_compile=False, progress=False) as s:  # fmt: skip
+        model, bs = s.engine.model, s.engine.config.cache.block_size
+        outside_capture: list[int] = []  # token counts of the forwards run outside capture
+
+        def forward(ids, pos):
+            n = ids.shape[0]
+            if not torch.cuda.is_current_stream_capturing():
+                outside_capture.append(n)
+            elif n == 2 and n not in outside_capture:  # as arrival_counts does before growing
+                raise NeedsWarmUp("2 tokens")
+            return model.forward(ids, pos)
+
+        graphs = DecodeGraphs(forward, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
+                              block_size=bs, device=torch.device("cuda"))  # fmt: skip
+        graphs.capture(progress=False)
+        assert outside_capture == [8, 8, 2]
+        assert sorted(graphs.graphs) == [(1, 2), (1, 4), (1, 8)]
+        for seed, n in enumerate((1, 2, 3, 8)):
+            ids, pos, meta = _metadata([1] * n, bs, seed)
+            with torch.inference_mode():
+                with set_forward_context(meta):
+                    eager = model.forward(ids, pos).clone()
+                hidden, _ = graphs.run(ids, pos, meta)
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+
+
 _START_SESSION = """
 import json, sys
 import torch
