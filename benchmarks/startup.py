@@ -35,6 +35,8 @@ from pathlib import Path
 LIBKK_CHILD = """
 import time, sys
 t0 = float(sys.argv[1])
+import torch
+t_torch = time.time()
 import libkk
 t1 = time.time()
 PROMPT = {prompt!r}
@@ -43,10 +45,10 @@ with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=Fa
     s.generate(PROMPT, libkk.SamplingParams(max_tokens=1, temperature=0.0))
     elapsed = time.time() - t0
     phases = ", ".join(f"{{name}} {{sec:.1f}} s" for name, sec in s.startup_seconds.items())
-    print(f"artifact cache {{s.engine.runner.compile_cache}}; import {{t1 - t0:.1f}} s, Session "
+    print(f"artifact cache {{s.engine.runner.compile_cache}}; import torch {{t_torch - t0:.1f}} s, "
+          f"libkk {{t1 - t_torch:.1f}} s, Session "
           f"{{t2 - t1:.1f}} s ({{phases}}), first token {{time.time() - t2:.2f}} s")
     if {explain!r}:
-        import torch
         print(torch._dynamo.utils.compile_times(repr="str").replace(chr(10), " | ")[:2000])
 print(elapsed)
 """
