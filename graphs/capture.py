@@ -27,7 +27,7 @@ import torch
 from libkk.kernels import NeedsWarmUp
 from tqdm import tqdm
 
-from libkk.dist import enter_phase, lockstep, track_captured_graph
+from libkk.dist import lockstep, track_captured_graph
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))
@@ -153,7 +153,7 @@ class DecodeGraphs:
             for _ in range(warm_ups):
                 self.forward(ids, pos)
             torch.cuda.synchronize()
-        enter_phase(f"{name}: capture")
+        lockstep(f"{name}: capture")  # every rank captures the same collectives
         graph = torch.cuda.CUDAGraph()
         track_captured_graph(graph)  # before: a failed capture is reset too
         try:
