@@ -29,10 +29,7 @@ LIBKK_CHILD = """
 import sys, time, torch
 import libkk.models.loader as loader
 mode, path = sys.argv[1], sys.argv[2]
-if mode == "staged":
-    loader.worth_staging = lambda total_bytes: True
-else:
-    loader.stageable = lambda shards: None
+loader.worth_staging = lambda total_bytes: mode == "staged"
 torch.zeros(1, device="cuda")
 torch.cuda.synchronize()
 start = time.perf_counter()

@@ -29,7 +29,7 @@ def _load_both_ways(path, dtype, monkeypatch) -> tuple[dict, dict]:  # noqa: ANN
     monkeypatch.setattr(loader.StagedReader, "read", counting)
     staged, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
     assert files_read, "the CUDA load did not go through the staged reader"
-    monkeypatch.setattr(loader, "stageable", lambda shards: None)
+    monkeypatch.setattr(loader, "worth_staging", lambda total_bytes: False)
     mapped, _ = load_model(path, dtype, torch.device("cuda"), progress=False)
     return _state(staged), _state(mapped)
 
