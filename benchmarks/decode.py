@@ -227,6 +227,7 @@ def bench_libkk(
     repeats: int,
     profile: bool = False,
     async_scheduling: bool | str = "auto",
+    torch_compile: bool = True,
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -238,6 +239,7 @@ def bench_libkk(
         max_num_seqs=batch,
         max_num_batched_tokens=max(8192, prompt),
         async_scheduling=async_scheduling,
+        torch_compile=torch_compile,
         progress=False,
     ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
@@ -311,6 +313,11 @@ def main() -> None:
         help="libkk's async_scheduling: the engine's default (auto: asynchronous on CUDA), or "
         "forced synchronous / asynchronous",
     )
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="torch_compile=False: the graphs capture the eager forward (what compiling buys)",
+    )
     args = ap.parse_args()
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
@@ -335,6 +342,7 @@ def main() -> None:
             args.repeats,
             profile,
             SCHEDULING[args.scheduling],
+            not args.no_compile,
         )
         ctx = args.prompt + args.tokens // 2
         floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3

@@ -14,7 +14,7 @@ cold start before the timed ones; PYTHONDONTWRITEBYTECODE is dropped from their 
 with it set nothing would fill that cache.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
-        [--warm-repeats 1] [--only-libkk]
+        [--warm-repeats 1] [--only-libkk] [--no-compile]
 
 The last line printed is a JSON object of each case's median (`warm_s`, `cold_s`, ...), the
 figure `benchmarks/ab.py --metric warm_s` reads to compare two trees' warm starts.
@@ -40,7 +40,8 @@ t_torch = time.time()
 import libkk
 t1 = time.time()
 PROMPT = {prompt!r}
-with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=False) as s:
+with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=False,
+                   torch_compile={torch_compile!r}) as s:
     t2 = time.time()
     s.generate(PROMPT, libkk.SamplingParams(max_tokens=1, temperature=0.0))
     elapsed = time.time() - t0
@@ -119,6 +120,7 @@ def main() -> None:
         action="store_true",
         help="cold and warm starts only (no artifacts-only case, no transformers)",
     )
+    ap.add_argument("--no-compile", action="store_true", help="torch_compile=False")
     args = ap.parse_args()
 
     from libkk.models.default import default_model_path
@@ -140,7 +142,8 @@ def main() -> None:
         print(f"  {name}: {results[name][-1]:.2f} s", flush=True)
 
     libkk_code = LIBKK_CHILD.format(
-        model=args.model, device=args.device, prompt=prompt, explain=args.explain
+        model=args.model, device=args.device, prompt=prompt, explain=args.explain,
+        torch_compile=not args.no_compile,
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
     hf_env = bytecode_cached_env(HF_HUB_OFFLINE="1")
