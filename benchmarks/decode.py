@@ -7,7 +7,8 @@ token: libkk from the requests' timelines, transformers as generate(N + 1) minus
 floor is the bytes a step must read / measured device copy bandwidth: every weight once, except
 the embedding table (a step reads one row per request) and, for MoE shapes, only the experts the
 batch routes to (expected distinct experts per layer under uniform routing: E * (1 - (1 - k/E)^B)),
-plus the KV cache.
+plus the KV cache. The batch's prefill (its prompts' first step scheduled to its last first token)
+is reported beside its floor: the prefill's matmul FLOPs / measured bf16 matmul rate.
 
     python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
         [--scheduling auto|sync|async]
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from floors import copy_bandwidth
+from floors import copy_bandwidth, matmul_rate
 from profiling import profile_steps
 
 # --scheduling: libkk's async_scheduling setting ("auto": the engine decides, asynchronous on CUDA)
@@ -199,6 +200,24 @@ def step_bytes(cfg: dict, weights_bytes: int, experts: str, batch: int, context:
     return total + batch * context * kv_per_token
 
 
+def prefill_flops(cfg: dict, batch: int, prompt: int) -> float:
+    """Matmul FLOPs of prefilling `batch` prompts of `prompt` tokens: the projections for every
+    token (for MoE shapes, the router and the top-k experts only), causal attention's scores and
+    values, and the LM head for each prompt's last token."""
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    q_dim, kv_dim = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    per_token = h * (q_dim + 2 * kv_dim) + q_dim * h
+    if "num_experts" in cfg:
+        per_token += h * cfg["num_experts"]
+        per_token += cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+    else:
+        per_token += 3 * h * cfg["intermediate_size"]
+    tokens = batch * prompt
+    pairs = batch * prompt * (prompt + 1) / 2  # (query, key) pairs under the causal mask
+    attention = 4 * cfg["num_attention_heads"] * d * pairs
+    return layers * (2 * per_token * tokens + attention) + 2 * h * cfg["vocab_size"] * batch
+
+
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (batch, length), generator=g).tolist()
@@ -247,16 +266,23 @@ def bench_libkk(
         for line in tiles:
             print(line, flush=True)
         s.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
-        steps = []
-        for _ in range(repeats):
-            outs = s.generate(ids, params)
+        steps, prefills = [], []
+        for r in range(repeats):
+            # Fresh prompts each time: repeated ones would prefill from the prefix cache.
+            outs = s.generate(prompts(batch, prompt, s.engine.arch.vocab_size, seed=1 + r), params)
             steps.append(max(o.timeline.decode_time for o in outs) / tokens)
+            # The batch's prefill: its first step scheduled to its last first token.
+            lines = [o.timeline for o in outs]
+            prefills.append(
+                max(t.first_token for t in lines) - min(t.first_scheduled for t in lines)
+            )
         weights = s.engine.weights_bytes
         launched_ahead = s.engine.config.scheduler.async_scheduling  # "auto" decided
         if profile:
             profile_steps(s, ids, tokens)
     return {
         "ms_per_step": [t * 1e3 for t in steps],
+        "prefill_ms": [t * 1e3 for t in prefills],
         "weights_bytes": weights,
         "async_scheduling": launched_ahead,
         "moe_tiles": tiles,
@@ -331,6 +357,7 @@ def main() -> None:
     write_checkpoint(args.shape, path, "cuda", args.experts)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {path}")
     bandwidth = copy_bandwidth("cuda")
+    flop_rate = matmul_rate("cuda")
     rows = []
     for batch in args.batch:
         profile = args.profile and batch == args.batch[0]
@@ -351,6 +378,9 @@ def main() -> None:
             "libkk_ms": statistics.median(kk["ms_per_step"]),
             "libkk_spread": [min(kk["ms_per_step"]), max(kk["ms_per_step"])],
             "floor_ms": floor_ms,
+            "prefill_ms": statistics.median(kk["prefill_ms"]),
+            "prefill_spread": [min(kk["prefill_ms"]), max(kk["prefill_ms"])],
+            "prefill_floor_ms": prefill_flops(cfg, batch, args.prompt) / flop_rate * 1e3,
             "async_scheduling": kk["async_scheduling"],
             "moe_tiles": kk["moe_tiles"],
         }
@@ -365,11 +395,12 @@ def main() -> None:
     print(
         f"\n{path.name} decode{' (async scheduling)' if rows and rows[0]['async_scheduling'] else ''}, "
         f"prompt {args.prompt}, {args.tokens} tokens, "
-        f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
+        f"{torch.cuda.get_device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
+        f"bf16 matmul {flop_rate / 1e12:.0f} TFLOP/s"
     )
     print(
         f"{'batch':>6}{'libkk ms':>10}{'tok/s':>9}{'HF ms':>9}{'HF tok/s':>10}"
-        f"{'floor ms':>10}{'% floor':>9}"
+        f"{'floor ms':>10}{'% floor':>9}{'prefill ms':>12}{'floor ms':>10}{'% floor':>9}"
     )
     for r in rows:
         hf = r.get("hf_ms")
@@ -378,6 +409,8 @@ def main() -> None:
             f"{hf if hf else float('nan'):>9.2f}"
             f"{r['batch'] * 1e3 / hf if hf else float('nan'):>10.0f}"
             f"{r['floor_ms']:>10.2f}{100 * r['floor_ms'] / r['libkk_ms']:>9.0f}"
+            f"{r['prefill_ms']:>12.1f}{r['prefill_floor_ms']:>10.1f}"
+            f"{100 * r['prefill_floor_ms'] / r['prefill_ms']:>9.0f}"
         )
     Path(args.out).write_text(
         json.dumps(

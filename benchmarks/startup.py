@@ -14,7 +14,7 @@ cold start before the timed ones; PYTHONDONTWRITEBYTECODE is dropped from their 
 with it set nothing would fill that cache.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
-        [--warm-repeats 1] [--only-libkk] [--no-compile]
+        [--warm-repeats 1] [--only-libkk] [--no-compile] [--cudagraph-mode MODE]
 
 The last line printed is a JSON object of each case's median (`warm_s`, `cold_s`, ...), the
 figure `benchmarks/ab.py --metric warm_s` reads to compare two trees' warm starts.
@@ -41,7 +41,7 @@ import libkk
 t1 = time.time()
 PROMPT = {prompt!r}
 with libkk.Session({model!r}, device={device!r}, max_model_len=1024, progress=False,
-                   torch_compile={torch_compile!r}) as s:
+                   **{settings!r}) as s:
     t2 = time.time()
     s.generate(PROMPT, libkk.SamplingParams(max_tokens=1, temperature=0.0))
     elapsed = time.time() - t0
@@ -121,6 +121,9 @@ def main() -> None:
         help="cold and warm starts only (no artifacts-only case, no transformers)",
     )
     ap.add_argument("--no-compile", action="store_true", help="torch_compile=False")
+    ap.add_argument(
+        "--cudagraph-mode", default=None, help="libkk's cudagraph_mode (default: its own)"
+    )
     args = ap.parse_args()
 
     from libkk.models.default import default_model_path
@@ -142,8 +145,12 @@ def main() -> None:
         print(f"  {name}: {results[name][-1]:.2f} s", flush=True)
 
     libkk_code = LIBKK_CHILD.format(
-        model=args.model, device=args.device, prompt=prompt, explain=args.explain,
-        torch_compile=not args.no_compile,
+        model=args.model,
+        device=args.device,
+        prompt=prompt,
+        explain=args.explain,
+        settings={"torch_compile": not args.no_compile}
+        | ({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}),
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
     hf_env = bytecode_cached_env(HF_HUB_OFFLINE="1")

@@ -321,7 +321,8 @@ def test_tiny_model_bf16_logits_as_close_as_the_dequantized_model(tiny_moe_dirs)
 
 @pytest.mark.parametrize("compile_", [False, True])
 def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
-    """The packed path inside the engine's CUDA graphs (and torch.compile) gives the eager tokens.
+    """The packed path inside the engine's CUDA graphs (FULL, and with torch.compile also
+    piecewise) gives the eager tokens.
 
     Static tiles in both sessions, so only graphs vs eager differs (tuned tiles in graphs:
     test_moe_tiles_gpu.py); tuning would also time every bucket's candidates twice here."""
@@ -330,7 +331,10 @@ def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 300, 99], [42, 7], [1000, 3, 4, 5, 6, 7, 8, 9]]
     out = {}
-    for mode, comp in (("NONE", False), ("FULL_DECODE_ONLY", compile_)):
+    modes = [("NONE", False), ("FULL_DECODE_ONLY", compile_)]
+    if compile_:  # the prefill step through the graphed pieces
+        modes.append(("FULL_AND_PIECEWISE", True))
+    for mode, comp in modes:
         with Session(
             str(tiny_moe_dirs["bf"]), device="cuda", dtype="float32", max_num_seqs=8,
             max_model_len=256, cudagraph_mode=mode, torch_compile=comp,
@@ -340,7 +344,8 @@ def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
             if mode != "NONE":
                 assert s.engine.runner.graphs is not None and s.engine.runner.graphs.graphs
             out[mode] = [o.token_ids for o in s.generate(prompts, params)]
-    assert out["FULL_DECODE_ONLY"] == out["NONE"]
+    for mode, _ in modes[1:]:
+        assert out[mode] == out["NONE"], mode
 
 
 # --------------------------------------------------------------------------------------------------
