@@ -7,12 +7,21 @@ through `graphs.compile.CompiledForward` with a stand-in backend: `eager` times 
 The Inductor code generation that a GPU start adds (or loads from the artifact cache) is not
 included; benchmarks/startup.py measures the whole start on the GPU.
 
-    python benchmarks/compile_time.py [--backends eager aot_eager] [--layers 36]
+`piecewise` is what the PIECEWISE graph modes compile: the graph split at attention, each piece
+compiled by Inductor (for the CPU here), with the pieces' compile time printed apart. That mode
+has no precompiled forward in the artifact cache, so every start traces and compiles again; the
+Inductor cache starts empty in each run of this script, and a backend named twice runs its second
+time on the first's cache entries, as a warm start does.
+
+    python benchmarks/compile_time.py [--backends eager aot_eager piecewise piecewise]
+        [--layers 36]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -24,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_host_overhead import write_tiny_qwen3  # noqa: E402
 
 
-def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
-    """Seconds of the compiled forward's first call at each size, in order."""
+def first_calls(path: Path, backend: str, sizes: list[int]) -> tuple[list[float], float | None]:
+    """(seconds of the compiled forward's first call at each size, in order; of those, the
+    seconds piecewise compiled its pieces in, or None for other backends)."""
+    from libkk.graphs import piecewise
     from libkk.graphs.capture import DecodeGraphs
     from libkk.graphs.compile import CompiledForward
 
@@ -34,6 +45,17 @@ def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
 
     with Session(str(path), device="cpu", dtype="float32", max_model_len=128, progress=False) as s:
         torch._dynamo.reset()
+        pieces = None
+        if backend == "piecewise":
+            pieces = [0.0]
+
+            def compile_piece(gm, example_inputs):
+                start = time.perf_counter()
+                compiled = piecewise._inductor(gm, example_inputs)
+                pieces[0] += time.perf_counter() - start
+                return compiled
+
+            backend = piecewise.PiecewiseBackend(sizes, compile_piece)
         forward = CompiledForward(s.engine.model, backend=backend, precompile=False)
         graphs = DecodeGraphs(forward, capture_sizes=sizes, max_blocks_per_seq=4,
                               block_size=s.engine.config.cache.block_size,
@@ -45,21 +67,36 @@ def first_calls(path: Path, backend: str, sizes: list[int]) -> list[float]:
                 with set_forward_context(graphs._metadata(1, size)):
                     forward(graphs.input_ids[:size], graphs.positions[:size])
                 seconds.append(time.perf_counter() - start)
-    return seconds
+    return seconds, None if pieces is None else pieces[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", nargs="+", default=["eager", "aot_eager"])
+    ap.add_argument(
+        "--backends", nargs="+", default=["eager", "aot_eager"],
+        choices=["eager", "aot_eager", "piecewise"],
+    )  # fmt: skip
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 1])
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "libkk-compile-time"))
     args = ap.parse_args()
     path = write_tiny_qwen3(Path(args.dir) / f"qwen3-{args.layers}l", args.layers)
-    print(f"{'backend':<12}" + "".join(f"{f'{n} tokens s':>14}" for n in args.sizes))
+    inductor_cache = tempfile.mkdtemp(prefix="inductor-", dir=args.dir)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache  # read when Inductor first caches
+    print(
+        f"{'backend':<12}"
+        + "".join(f"{f'{n} tokens s':>14}" for n in args.sizes)
+        + f"{'pieces s':>11}"
+    )
     for backend in args.backends:
-        seconds = first_calls(path, backend, args.sizes)
-        print(f"{backend:<12}" + "".join(f"{s:>14.2f}" for s in seconds), flush=True)
+        seconds, pieces = first_calls(path, backend, args.sizes)
+        print(
+            f"{backend:<12}"
+            + "".join(f"{s:>14.2f}" for s in seconds)
+            + (f"{pieces:>11.2f}" if pieces is not None else f"{'':>11}"),
+            flush=True,
+        )
+    shutil.rmtree(inductor_cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class CompiledForward:
         if self._compiled is None:
             _allow_recompiles_per_session()
             self._compiled = torch.compile(self.model.forward, dynamic=True, backend=self._backend)
-        return self._compiled(*_unbacked(input_ids, positions))
+        with _floats_as_constants():  # read when a call traces (the first, or a recompile)
+            return self._compiled(*_unbacked(input_ids, positions))
 
     def _precompile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -88,9 +89,7 @@ class CompiledForward:
             )
         try:
             # Guards record the grad mode: compile as the runner calls (inference mode).
-            # Floats (the norms' eps, passed to custom ops) stay constants: made symbolic,
-            # Dynamo restarts its analysis to tensorify them, which aot_compile cannot do.
-            with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
+            with torch.inference_mode(), _floats_as_constants():
                 example = (self.model, *_unbacked(input_ids, positions))
                 self.precompiled = whole.aot_compile((example, {}))
         except Exception as e:  # torch internals: fall back to plain torch.compile
@@ -129,6 +128,14 @@ class CompiledForward:
         logger.warning("the model forward runs without precompile: %s", why)
         self.precompiled = None
         self._can_precompile = False
+
+
+def _floats_as_constants() -> contextlib.AbstractContextManager[None]:
+    """Traces with Python floats (the norms' eps, passed to custom ops) as constants. Made
+    symbolic, Dynamo restarts its analysis from inside the backend to tensorify them: aot_compile
+    cannot, and plain torch.compile traces the model again (the piecewise backend splitting and
+    compiling pieces again), which took a third of a warm PIECEWISE start's compile on the CPU."""
+    return torch._dynamo.config.patch(specialize_float=True)
 
 
 def _unbacked(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

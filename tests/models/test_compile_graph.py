@@ -98,3 +98,36 @@ def test_piecewise_pieces_compile_once_for_every_token_count(tiny_llama_dir):
             out = forward(d_ids, d_pos)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     assert len(backend.pieces) == len(model.attention_layers()) + 1  # one split, no recompile
+
+
+def test_piecewise_compile_traces_the_model_once(tiny_llama_dir):
+    """The norms' eps floats stay constants in the plain torch.compile path too (as when
+    precompiling): made symbolic, Dynamo restarts its analysis from inside the backend's first
+    piece compile to tensorify them, tracing the model and compiling pieces a second time at
+    every start of the PIECEWISE modes."""
+    from libkk.graphs.compile import CompiledForward
+    from libkk.graphs.piecewise import PiecewiseBackend
+    from torch._dynamo.backends.common import aot_autograd
+
+    from libkk.layers.forward_context import set_forward_context
+
+    compiles = []
+
+    def compile_piece(gm, example_inputs):
+        compiles.append(gm)
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    class Counted(PiecewiseBackend):
+        calls = 0
+
+        def __call__(self, gm, example_inputs):
+            Counted.calls += 1
+            return super().__call__(gm, example_inputs)
+
+    model, _, ids, pos, metadata = _step(tiny_llama_dir)
+    backend = Counted(sizes=[8], compile_piece=compile_piece)
+    torch._dynamo.reset()
+    with torch.no_grad(), set_forward_context(metadata):
+        CompiledForward(model, backend=backend)(ids, pos)
+    assert Counted.calls == 1
+    assert len(compiles) == len(backend.pieces) == len(model.attention_layers()) + 1
