@@ -1,4 +1,6 @@
-"""FULL CUDA graphs of the model forward for decode and verification batches.
+"""FULL CUDA graphs of the model forward: DecodeGraphs for uniform decode and verification
+batches, MixedGraphs (cudagraph_mode "FULL") for batches of any composition up to the largest
+capture size in tokens.
 
 One graph is captured per (query length Q, batch size): Q = 1 for plain decode, 1 + K to verify K
 drafts. A batch of n requests runs in the smallest captured Q that holds its longest request and
@@ -146,23 +148,16 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _capture_one(self, q: int, size: int, warm_ups: int) -> None:
-        name = f"decode graph q={q} size={size}"
         ids, pos = self.input_ids[: size * q], self.positions[: size * q]
-        if warm_ups:
-            lockstep(f"{name}: warm-up")
-            for _ in range(warm_ups):
-                self.forward(ids, pos)
-            torch.cuda.synchronize()
-        lockstep(f"{name}: capture")  # every rank captures the same collectives
-        graph = torch.cuda.CUDAGraph()
-        track_captured_graph(graph)  # before: a failed capture is reset too
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = self.forward(ids, pos)
-                stashed = self.stash() if self.stash else None
-        except NeedsWarmUp:
-            graph.reset()  # the partial capture: its memory goes back to the pool
-            raise
+        graph, output, stashed = _capture(
+            self.forward,
+            ids,
+            pos,
+            self.pool,
+            self.stash,
+            warm_ups,
+            f"decode graph q={q} size={size}",
+        )
         self.outputs[q, size], self.stashed[q, size] = output, stashed
         self.graphs[q, size] = graph
 
@@ -259,3 +254,175 @@ class DecodeGraphs:
         self.block_table[:size].zero_()
         self.graphs[q, size].replay()
         return self.outputs[q, size]
+
+
+class MixedGraphs:
+    """Captured forwards for batches of any composition (prefill chunks beside decode and
+    verification rows), one per token count in `capture_sizes` (2 and up: one token is a
+    uniform batch, which DecodeGraphs serves).
+
+    Attention reads everything that varies per step from device buffers (query starts, lengths,
+    block tables), and its varlen kernel's grid depends only on the token count and the number
+    of request slots, so one graph per padded token count serves every split of those tokens
+    into requests. A graph of T tokens has min(T, max_num_seqs) + 1 request slots: the batch's
+    n requests first, then a padding request that holds the T - t padding tokens (token 0,
+    writing to the null slot, attending to the null block alone, as DecodeGraphs' padding
+    rows), then empty requests (no tokens, no context), which attention skips.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        capture_sizes: Sequence[int],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        stash: Callable[[], torch.Tensor | None] | None = None,
+    ) -> None:
+        self.sizes = sorted({s for s in capture_sizes if s >= 2})
+        if not self.sizes:
+            raise ValueError(f"no capture size of 2 tokens or more in {list(capture_sizes)}")
+        self.forward = forward
+        self.stash = stash
+        self.max_num_seqs = max_num_seqs
+        self.max_size = self.sizes[-1]
+        self.pad_to = padded_size_table(self.sizes)
+        self.block_size = block_size
+        t, r = self.max_size, self._slots(self.max_size)
+        with torch.inference_mode():  # inference tensors, as in DecodeGraphs
+            self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=device)
+            self.padding_positions = torch.arange(t, dtype=torch.int64, device=device)
+            self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(r, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.stashed: dict[int, torch.Tensor | None] = {}
+        self.pool = None
+
+    def _slots(self, size: int) -> int:
+        return min(size, self.max_num_seqs) + 1
+
+    def _metadata(self, size: int, starts: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        r = self._slots(size)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: r + 1],
+            seq_lens=self.seq_lens[:r],
+            block_table=self.block_table[:r],
+            block_size=self.block_size,
+            # The graph's own choice of attention kernel, right for any split of its tokens:
+            # more request slots than one, so never the uniform decode path.
+            max_query_len=size,
+            max_seq_len=self.block_table.shape[1] * self.block_size,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        return (
+            bool(self.graphs)
+            and 2 <= num_tokens <= self.max_size
+            and metadata.num_reqs <= self.max_num_seqs
+            and metadata.block_table.shape[1] <= self.block_table.shape[1]
+        )
+
+    def stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[int, AttentionMetadata]:
+        """Writes a batch into the static inputs, padded to its graph's token count; returns that
+        count and the metadata the graph reads (host lists included, for the reference path)."""
+        t, n = input_ids.shape[0], metadata.num_reqs
+        size = self.pad_to[t]
+        r, pad = self._slots(size), size - t
+        self.input_ids[:t].copy_(input_ids)
+        self.input_ids[t:size].zero_()
+        self.positions[:t].copy_(positions)
+        self.positions[t:size].copy_(self.padding_positions[:pad])
+        self.slot_mapping[:t].copy_(metadata.slot_mapping)
+        self.slot_mapping[t:size].zero_()
+        self.query_start_loc[: n + 1].copy_(metadata.query_start_loc)
+        self.query_start_loc[n + 1 : r + 1].fill_(size)  # the padding request ends at size
+        self.seq_lens[:n].copy_(metadata.seq_lens)
+        self.seq_lens[n].fill_(pad)
+        self.seq_lens[n + 1 : r].zero_()
+        # Columns past `width` may hold older tables; real rows read only blocks < their seq_len.
+        self.block_table[:n, : metadata.block_table.shape[1]].copy_(metadata.block_table)
+        self.block_table[n].zero_()
+        starts = [*metadata.query_start_loc_cpu, *([size] * (r - n))]
+        seq_lens = [*metadata.seq_lens_cpu, pad, *([0] * (r - n - 1))]
+        return size, self._metadata(size, starts, seq_lens)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True, pool: object | None = None) -> None:
+        """Captures every size, largest first, in `pool` (DecodeGraphs' pool: one for all)."""
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        sizes = sorted(self.sizes, reverse=True)
+        lockstep(f"mixed graph plan (tokens): {sizes}")
+        for i, size in enumerate(tqdm(sizes, desc="Capturing mixed-batch CUDA graphs",
+                                      unit="graph", disable=not progress)):  # fmt: skip
+            # All of the graph's tokens in the padding request, the other slots empty.
+            r = self._slots(size)
+            self.input_ids[:size].zero_()
+            self.positions[:size].copy_(self.padding_positions[:size])
+            self.slot_mapping[:size].zero_()
+            self.query_start_loc[0] = 0
+            self.query_start_loc[1 : r + 1].fill_(size)
+            self.seq_lens[:r].zero_()
+            self.seq_lens[0] = size
+            self.block_table[0].zero_()
+            metadata = self._metadata(size, [0, *([size] * r)], [size, *([0] * (r - 1))])
+            ids, pos = self.input_ids[:size], self.positions[:size]
+            with set_forward_context(metadata):
+                name = f"mixed graph of {size} tokens"
+                try:  # warm-ups as DecodeGraphs: the first graph, or an op that asks
+                    captured = _capture(self.forward, ids, pos, self.pool, self.stash,
+                                        2 if i == 0 else 0, name)  # fmt: skip
+                except NeedsWarmUp:
+                    captured = _capture(self.forward, ids, pos, self.pool, self.stash, 1, name)
+            self.graphs[size], self.outputs[size], self.stashed[size] = captured
+        torch.cuda.synchronize()
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [num_tokens, hidden], the stash's rows or None) of the replayed graph."""
+        t = input_ids.shape[0]
+        size, _ = self.stage(input_ids, positions, metadata)
+        self.graphs[size].replay()
+        stashed = self.stashed[size]
+        return self.outputs[size][:t], None if stashed is None else stashed[:t]
+
+
+def _capture(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    pool: object,
+    stash: Callable[[], torch.Tensor | None] | None,
+    warm_ups: int,
+    name: str,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+    """(graph, its output, its stash) of one forward over the static inputs, under the forward
+    context already set; raises NeedsWarmUp (the partial capture reset) if an op needs a run
+    outside capture first."""
+    if warm_ups:
+        lockstep(f"{name}: warm-up")
+        for _ in range(warm_ups):
+            forward(ids, pos)
+        torch.cuda.synchronize()
+    lockstep(f"{name}: capture")  # every rank captures the same collectives
+    graph = torch.cuda.CUDAGraph()
+    track_captured_graph(graph)  # before: a failed capture is reset too
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward(ids, pos)
+            stashed = stash() if stash else None
+    except NeedsWarmUp:
+        graph.reset()  # the partial capture: its memory goes back to the pool
+        raise
+    return graph, output, stashed

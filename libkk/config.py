@@ -114,11 +114,13 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
 
 
 class CompilationConfig(msgspec.Struct, **_STRUCT):
-    # Which batches replay CUDA graphs (CUDA only). "FULL_DECODE_ONLY" (= "FULL"): uniform decode
-    # batches (q tokens per request: 1, or 1 + K when verifying drafts) replay FULL graphs of the
-    # whole forward, the rest runs without graphs. "PIECEWISE": batches of up to the largest
-    # capture size in tokens replay the graphed pieces between attention calls, attention runs
-    # eagerly. "FULL_AND_PIECEWISE": FULL for uniform decode, PIECEWISE for the rest. "NONE": no
+    # Which batches replay CUDA graphs (CUDA only). "FULL_DECODE_ONLY": uniform decode batches
+    # (q tokens per request: 1, or 1 + K when verifying drafts) replay FULL graphs of the whole
+    # forward, the rest runs without graphs. "FULL": those, and batches of any other composition
+    # of up to the largest capture size in tokens replay FULL graphs too (one per token count,
+    # graphs/capture.py's MixedGraphs). "PIECEWISE": batches of up to the largest capture size in
+    # tokens replay the graphed pieces between attention calls, attention runs eagerly.
+    # "FULL_AND_PIECEWISE": FULL graphs for uniform decode, PIECEWISE for the rest. "NONE": no
     # graphs. PIECEWISE modes need torch_compile (the pieces are compiled).
     cudagraph_mode: Literal[
         "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"

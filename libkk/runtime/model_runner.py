@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from libkk.config import CompilationConfig, SchedulerConfig
 from libkk.dist import get_tp_rank, get_tp_size, get_tp_state, lockstep, track_captured_graph
-from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs
+from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs, MixedGraphs
 from libkk.graphs.compile import CompiledForward, artifact_cache_scope, artifact_entry
 from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
@@ -91,6 +91,7 @@ class ModelRunner:
         self._kv_scales_pending = kv_scale_calibration_pending(layers)
         self.host_embeddings = [m for m in model.modules() if isinstance(m, HostRowsEmbedding)]
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None  # cudagraph_mode "FULL"
         # The last launched step's sampled ids [S] on the device and each request's row in them:
         # the next step's in-flight input tokens are gathered from there.
         self._in_flight_ids: torch.Tensor | None = None
@@ -197,9 +198,19 @@ class ModelRunner:
             middle_lens_max_size=self.middle_lens_max_size,
             stash=(lambda: self.model.aux_hidden_states) if self.stash_aux_hidden else None,
         )
+        if compilation.cudagraph_mode == "FULL":
+            self.mixed_graphs = MixedGraphs(
+                self.forward,
+                capture_sizes=compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES,
+                max_num_seqs=max_num_seqs,
+                max_blocks_per_seq=max_blocks_per_seq,
+                block_size=self.block_size,
+                device=self.device,
+                stash=self.graphs.stash,
+            )
         start = time.perf_counter()
         if not compilation.torch_compile:
-            self.graphs.capture(progress=progress)
+            self._capture_full_graphs(progress)
             self.startup_seconds["capture CUDA graphs"] = time.perf_counter() - start
             return
         # Capturing runs the compiled forward, so it compiles the one graph every step size uses;
@@ -217,11 +228,17 @@ class ModelRunner:
                 self._capture_pieces(progress)
             if compilation.cudagraph_mode != "PIECEWISE":
                 with pieces_disabled():  # a FULL graph runs the pieces' compiled code inline
-                    self.graphs.capture(progress=progress)
+                    self._capture_full_graphs(progress)
             else:
                 self.graphs = None
         # Compiling happens in the first captures (cache hits where the artifacts were loaded).
         self.startup_seconds["compile and capture CUDA graphs"] = time.perf_counter() - loaded
+
+    def _capture_full_graphs(self, progress: bool) -> None:
+        """The decode graphs, then (mode "FULL") the mixed-batch graphs in the same pool."""
+        self.graphs.capture(progress=progress)
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.capture(progress=progress, pool=self.graphs.pool)
 
     @torch.inference_mode()  # as `execute` runs: dynamo guards on the grad mode
     def _capture_pieces(self, progress: bool) -> None:
@@ -409,6 +426,15 @@ class ModelRunner:
             and self.graphs.can_run(batch.attn_metadata, num_tokens)
         ):
             hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.attn_metadata)
+        elif (
+            self.mixed_graphs is not None
+            and not self._kv_scales_pending
+            and (not aux_layers or self.mixed_graphs.stash is not None)
+            and self.mixed_graphs.can_run(batch.attn_metadata, num_tokens)
+        ):
+            hidden, aux = self.mixed_graphs.run(
+                batch.input_ids, batch.positions, batch.attn_metadata
+            )
         elif self.piecewise is not None and num_tokens <= self.piecewise.max_size:
             hidden = self._run_piecewise(batch)  # [num_tokens, hidden]
             if aux_layers:

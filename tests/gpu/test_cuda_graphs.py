@@ -34,8 +34,10 @@ def _generate(
         **settings,
     ) as s:
         runner = s.engine.runner
-        if mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        if mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             assert runner.graphs is not None and runner.graphs.graphs
+        if mode == "FULL":
+            assert runner.mixed_graphs is not None and runner.mixed_graphs.graphs
         if "PIECEWISE" in mode:
             assert runner.piecewise.pieces and all(p.graphs for p in runner.piecewise.pieces)
         return [o.token_ids for o in s.generate(prompts, params)]
@@ -96,6 +98,30 @@ def test_piecewise_graphs_equal_eager(tiny_qwen3_dir, mode):
     eager = _generate(tiny_qwen3_dir, prompts, "NONE", max_num_batched_tokens=48)
     graphed = _generate(tiny_qwen3_dir, prompts, mode, compile_=True, max_num_batched_tokens=48)
     assert graphed == eager
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_mixed_batch_graphs_equal_eager(tiny_qwen3_dir, compile_, monkeypatch):
+    """Mode FULL: chunked prefill (a 48-token budget) mixes prefill chunks with decodes, and those
+    steps replay one FULL graph per padded token count (MixedGraphs), attention inside."""
+    from libkk.graphs.capture import MixedGraphs
+
+    replays = []
+    run = MixedGraphs.run
+
+    def counted(self, input_ids, positions, metadata):
+        replays.append((input_ids.shape[0], metadata.num_reqs))
+        return run(self, input_ids, positions, metadata)
+
+    monkeypatch.setattr(MixedGraphs, "run", counted)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (5, 77, 160, 33)]
+    eager = _generate(tiny_qwen3_dir, prompts, "NONE", max_num_batched_tokens=48)
+    graphed = _generate(
+        tiny_qwen3_dir, prompts, "FULL", compile_=compile_, max_num_batched_tokens=48
+    )
+    assert graphed == eager
+    assert any(reqs > 1 for _, reqs in replays), replays  # steps of several requests replayed
 
 
 def test_fp8_kv_cache_graphs_equal_eager(tiny_qwen3_dir):

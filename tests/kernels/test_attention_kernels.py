@@ -149,6 +149,21 @@ def test_padding_rows_and_empty_requests():
     assert out[b.num_real_tokens :].isnan().all()
 
 
+@pytest.mark.parametrize("requests", [[(1, 9), (4, 4), (0, 0), (0, 0)], [(1, 5), (1, 7), (0, 0)]])
+def test_any_split_under_the_largest_query_len(requests):
+    """A mixed-batch graph (graphs/capture.MixedGraphs) fixes max_query_len at its token count
+    whatever the split of its tokens into requests, some of them empty: the varlen kernel's
+    choice for that length serves every split exactly."""
+    b = make_batch(requests, *LAYOUTS["gqa2"], device=DEVICE, seed=7)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    args = list(b.attention_args())
+    want = paged_attention_ref(*args)
+    args[8] = b.q.shape[0]  # every token in one request at most
+    got = paged_attention(*args)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
 def test_paged_attention_rejects_bad_shapes():
     b = _batch("decode", "gqa2", torch.float32)
     with pytest.raises(ValueError, match="multiple of"):

@@ -1,0 +1,85 @@
+"""MixedGraphs' padded layout (cudagraph_mode "FULL"): a batch staged into a graph's static
+inputs gives its real rows the values of the unpadded forward and writes the same KV cache.
+
+Run on the CPU with the reference attention, outside any graph: what a replay computes is this
+forward over the staged buffers (graph replay against eager: tests/gpu/test_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from libkk.graphs.capture import MixedGraphs
+
+from libkk.layers.forward_context import set_forward_context
+from libkk.models.loader import load_model
+from tests.models.paged_helpers import PagedKV, build_attn_metadata
+
+BLOCK = 4
+
+
+def _prefilled(model_dir):
+    """The model, its caches, and request 0's first four tokens already in block 3."""
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), progress=False)
+    kv = PagedKV(model, num_blocks=16, block_size=BLOCK)
+    ids, pos, metadata = build_attn_metadata([([5, 6, 7, 8], 0)], [[3]], BLOCK)
+    with torch.inference_mode(), set_forward_context(metadata):
+        model.forward(ids, pos)
+    return model, kv
+
+
+# (token ids, cached) per request: a decode row after a cached context, prompts from scratch, a
+# chunk after that context; and the block tables covering them.
+BATCHES = {
+    "decode beside a prompt": ([([5, 6, 7, 8, 9], 4), ([11, 12, 13], 0)], [[3, 7], [5]]),
+    "three requests": (
+        [([5, 6, 7, 8, 9, 10, 11], 4), ([20, 21, 22, 23, 24], 0), ([30], 0)],
+        [[3, 7], [5, 6], [8]],
+    ),
+    "fills its size": ([([5, 6, 7, 8, 9, 10, 11, 12], 4), ([40, 41, 42, 43], 0)], [[3, 7], [9]]),
+}
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch):
+    requests, tables = BATCHES[batch]
+    model, kv = _prefilled(request.getfixturevalue(model_fixture))
+    before = [c.clone() for c in kv.caches]
+    ids, pos, metadata = build_attn_metadata(requests, tables, BLOCK)
+    t = ids.shape[0]
+    with torch.inference_mode():
+        with set_forward_context(metadata):
+            want = model.forward(ids, pos)
+        want_caches = [c.clone() for c in kv.caches]
+        for cache, old in zip(kv.caches, before, strict=True):
+            cache.copy_(old)
+        graphs = MixedGraphs(
+            model.forward, capture_sizes=[1, 2, 8, 16], max_num_seqs=4, max_blocks_per_seq=4,
+            block_size=BLOCK, device=torch.device("cpu"),
+        )  # fmt: skip
+        graphs.block_table.fill_(15)  # stale tables from earlier steps must not be read
+        size, staged = graphs.stage(ids, pos, metadata)
+        with set_forward_context(staged):
+            got = model.forward(graphs.input_ids[:size], graphs.positions[:size])
+    assert size == graphs.pad_to[t] and size >= t and staged.num_reqs == min(size, 4) + 1
+    # The kernels read the device copies, the reference path the host lists: the same layout.
+    assert staged.query_start_loc.tolist() == staged.query_start_loc_cpu
+    assert staged.seq_lens.tolist() == staged.seq_lens_cpu
+    torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
+    for cache, expected in zip(kv.caches, want_caches, strict=True):
+        # Padding wrote no real block (the CPU store writes padding into the null block 0;
+        # the kernels skip it). Unwritten slots hold NaN.
+        torch.testing.assert_close(cache[:, 1:], expected[:, 1:], rtol=0, atol=0, equal_nan=True)
+
+
+def test_mixed_graphs_take_two_tokens_and_more():
+    graphs = MixedGraphs(
+        lambda ids, pos: ids, capture_sizes=[1, 2, 4], max_num_seqs=8, max_blocks_per_seq=2,
+        block_size=BLOCK, device=torch.device("cpu"),
+    )  # fmt: skip
+    assert graphs.sizes == [2, 4] and graphs.pad_to[1] == 2 and graphs.pad_to[3] == 4
+    with pytest.raises(ValueError, match="2 tokens or more"):
+        MixedGraphs(
+            lambda ids, pos: ids, capture_sizes=[1], max_num_seqs=8, max_blocks_per_seq=2,
+            block_size=BLOCK, device=torch.device("cpu"),
+        )  # fmt: skip
