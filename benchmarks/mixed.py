@@ -6,15 +6,16 @@ Random bf16 weights at a real shape (benchmarks/decode.py's checkpoint). --reque
 (seeded, EOS ignored) go to one `generate` call with max_num_seqs = --batch: as requests finish at
 different steps, new prompts are prefilled in steps that also decode the others (mixed batches).
 Uniform decode steps replay FULL graphs in every mode but NONE; the mixed steps run eagerly under
-FULL_DECODE_ONLY and replay graphed pieces under FULL_AND_PIECEWISE (when their token count is at
-most the largest capture size; a --prompt-token prefill chunk is larger and runs eagerly).
+FULL_DECODE_ONLY, replay FULL graphs of their padded token count under FULL, and replay graphed
+pieces under FULL_AND_PIECEWISE (in both, when their token count is at most the largest capture
+size; a --prompt-token prefill chunk is larger and runs eagerly).
 
 Output tok/s = requested output tokens / wall time of the call; each mode first runs the workload
 once untimed (compiles and captures), then --repeats timed runs (median, spread). The peer runs
 the requests in static batches of --batch, each to its longest request's length (what static
 batching costs), counting only the requested tokens.
 
-    python benchmarks/mixed.py [--shape qwen3-8b] [--modes FULL_DECODE_ONLY FULL_AND_PIECEWISE]
+    python benchmarks/mixed.py [--shape qwen3-8b] [--modes FULL_DECODE_ONLY FULL FULL_AND_PIECEWISE]
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def bench_transformers(path: Path, ids: list[list[int]], lengths: list[int], arg
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    ap.add_argument("--modes", nargs="+", default=["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE"]
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="max_num_seqs")
     ap.add_argument("--prompt", type=int, default=256)
