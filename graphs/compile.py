@@ -134,7 +134,7 @@ def _floats_as_constants() -> contextlib.AbstractContextManager[None]:
     """Traces with Python floats (the norms' eps, passed to custom ops) as constants. Made
     symbolic, Dynamo restarts its analysis from inside the backend to tensorify them: aot_compile
     cannot, and plain torch.compile traces the model again (the piecewise backend splitting and
-    compiling pieces again), which took a third of a warm PIECEWISE start's compile on the CPU."""
+    compiling pieces again): two thirds of a warm PIECEWISE compile on the CPU (RESULTS.md)."""
     return torch._dynamo.config.patch(specialize_float=True)
 
 
