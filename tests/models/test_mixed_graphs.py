@@ -39,10 +39,14 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["free slots", "every slot taken"])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch):
+def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch, full):
+    """With max_num_seqs requests in the batch no slot is left empty: the padding request
+    takes the last one."""
     requests, tables = BATCHES[batch]
+    max_num_seqs = len(requests) if full else 4
     model, kv = _prefilled(request.getfixturevalue(model_fixture))
     before = [c.clone() for c in kv.caches]
     ids, pos, metadata = build_attn_metadata(requests, tables, BLOCK)
@@ -54,14 +58,14 @@ def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch)
         for cache, old in zip(kv.caches, before, strict=True):
             cache.copy_(old)
         graphs = MixedGraphs(
-            model.forward, capture_sizes=[1, 2, 8, 16], max_num_seqs=4, max_blocks_per_seq=4,
+            model.forward, capture_sizes=[1, 2, 8, 16], max_num_seqs=max_num_seqs, max_blocks_per_seq=4,
             block_size=BLOCK, device=torch.device("cpu"),
         )  # fmt: skip
         graphs.block_table.fill_(15)  # stale tables from earlier steps must not be read
         size, staged = graphs.stage(ids, pos, metadata)
         with set_forward_context(staged):
             got = model.forward(graphs.input_ids[:size], graphs.positions[:size])
-    assert size == graphs.pad_to[t] and size >= t and staged.num_reqs == min(size, 4) + 1
+    assert size == graphs.pad_to[t] and size >= t and staged.num_reqs == min(size, max_num_seqs) + 1
     # The kernels read the device copies, the reference path the host lists: the same layout.
     assert staged.query_start_loc.tolist() == staged.query_start_loc_cpu
     assert staged.seq_lens.tolist() == staged.seq_lens_cpu
