@@ -46,6 +46,13 @@ def padded_size_table(sizes: Sequence[int]) -> list[int]:
     return table
 
 
+def sizes_up_to(sizes: Sequence[int], n: int) -> list[int]:
+    """The sizes a batch of at most n can pad to: those below n and the smallest >= n."""
+    ordered = sorted(set(sizes))
+    above = [s for s in ordered if s >= n]
+    return [s for s in ordered if s < n] + above[:1]
+
+
 class DecodeGraphs:
     """Captured forwards for uniform batches of up to `max(capture_sizes)` requests.
 

@@ -15,7 +15,12 @@ from tqdm import tqdm
 
 from libkk.config import CompilationConfig, SchedulerConfig
 from libkk.dist import get_tp_rank, get_tp_size, get_tp_state, lockstep, track_captured_graph
-from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, DecodeGraphs, MixedGraphs
+from libkk.graphs.capture import (
+    DEFAULT_CAPTURE_SIZES,
+    DecodeGraphs,
+    MixedGraphs,
+    sizes_up_to,
+)
 from libkk.graphs.compile import CompiledForward, artifact_cache_scope, artifact_entry
 from libkk.graphs.moe_tiles import TileChoice, tune_moe_tiles
 from libkk.graphs.piecewise import PiecewiseBackend, capturing_pieces, pieces_disabled
@@ -118,14 +123,14 @@ class ModelRunner:
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
                 )
             self.forward = CompiledForward(model, backend=self.piecewise)
+        budget = max_num_batched_tokens or SchedulerConfig().max_num_batched_tokens
         if device.type == "cuda" and compilation.tune_moe_tiles:
             # Before anything compiles or captures: traces and graphs take the installed tiles.
             start = time.perf_counter()
-            budget = max_num_batched_tokens or SchedulerConfig().max_num_batched_tokens
             self._tune_moe_tiles(compilation, max_num_seqs, max_model_len, budget, progress)
             self.startup_seconds["tune MoE tiles"] = time.perf_counter() - start
         if graphs:
-            self._capture_graphs(compilation, max_num_seqs, max_model_len, progress)
+            self._capture_graphs(compilation, max_num_seqs, max_model_len, budget, progress)
 
     def _capture_sizes(self, compilation: CompilationConfig, max_num_seqs: int) -> list[int]:
         return [
@@ -184,6 +189,7 @@ class ModelRunner:
         compilation: CompilationConfig,
         max_num_seqs: int,
         max_model_len: int,
+        max_num_batched_tokens: int,
         progress: bool,
     ) -> None:
         sizes = self._capture_sizes(compilation, max_num_seqs)
@@ -199,9 +205,13 @@ class ModelRunner:
             stash=(lambda: self.model.aux_hidden_states) if self.stash_aux_hidden else None,
         )
         if compilation.cudagraph_mode == "FULL":
+            # No step holds more tokens than the budget, or every request verifying drafts.
+            largest_step = max(max_num_batched_tokens, max_num_seqs * max(self.query_lens))
             self.mixed_graphs = MixedGraphs(
                 self.forward,
-                capture_sizes=compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES,
+                capture_sizes=sizes_up_to(
+                    compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES, largest_step
+                ),
                 max_num_seqs=max_num_seqs,
                 max_blocks_per_seq=max_blocks_per_seq,
                 block_size=self.block_size,

@@ -87,3 +87,11 @@ def test_mixed_graphs_take_two_tokens_and_more():
             lambda ids, pos: ids, capture_sizes=[1], max_num_seqs=8, max_blocks_per_seq=2,
             block_size=BLOCK, device=torch.device("cpu"),
         )  # fmt: skip
+
+
+def test_sizes_a_step_can_pad_to():
+    from libkk.graphs.capture import DEFAULT_CAPTURE_SIZES, sizes_up_to
+
+    assert sizes_up_to(DEFAULT_CAPTURE_SIZES, 48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    assert sizes_up_to(DEFAULT_CAPTURE_SIZES, 50) == [1, 2, 4, *range(8, 57, 8)]
+    assert sizes_up_to([8, 4], 2048) == [4, 8]
