@@ -288,12 +288,17 @@ class MixedGraphs:
         device: torch.device,
         stash: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
-        self.sizes = sorted({s for s in capture_sizes if s >= 2})
+        self.max_num_seqs = max_num_seqs
+        # A request slot holds at most a block table row of tokens: a size whose tokens the
+        # slots cannot hold (a long-context step of few requests) is not captured.
+        self.capacity = max_blocks_per_seq * block_size
+        self.sizes = sorted(
+            {s for s in capture_sizes if s >= 2 and self._slots(s) * self.capacity >= s}
+        )
         if not self.sizes:
             raise ValueError(f"no capture size of 2 tokens or more in {list(capture_sizes)}")
         self.forward = forward
         self.stash = stash
-        self.max_num_seqs = max_num_seqs
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
         self.block_size = block_size
@@ -334,6 +339,7 @@ class MixedGraphs:
         return (
             bool(self.graphs)
             and 2 <= num_tokens <= self.max_size
+            and self.pad_to[num_tokens] - num_tokens <= self.capacity  # one padding request
             and metadata.num_reqs <= self.max_num_seqs
             and metadata.block_table.shape[1] <= self.block_table.shape[1]
         )
@@ -372,17 +378,7 @@ class MixedGraphs:
         lockstep(f"mixed graph plan (tokens): {sizes}")
         for i, size in enumerate(tqdm(sizes, desc="Capturing mixed-batch CUDA graphs",
                                       unit="graph", disable=not progress)):  # fmt: skip
-            # All of the graph's tokens in the padding request, the other slots empty.
-            r = self._slots(size)
-            self.input_ids[:size].zero_()
-            self.positions[:size].copy_(self.padding_positions[:size])
-            self.slot_mapping[:size].zero_()
-            self.query_start_loc[0] = 0
-            self.query_start_loc[1 : r + 1].fill_(size)
-            self.seq_lens[:r].zero_()
-            self.seq_lens[0] = size
-            self.block_table[0].zero_()
-            metadata = self._metadata(size, [0, *([size] * r)], [size, *([0] * (r - 1))])
+            metadata = self._padding_only(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
             with set_forward_context(metadata):
                 name = f"mixed graph of {size} tokens"
@@ -393,6 +389,22 @@ class MixedGraphs:
                     captured = _capture(self.forward, ids, pos, self.pool, self.stash, 1, name)
             self.graphs[size], self.outputs[size], self.stashed[size] = captured
         torch.cuda.synchronize()
+
+    def _padding_only(self, size: int) -> AttentionMetadata:
+        """Lays out a capture: the graph's tokens as padding requests in the null block, each as
+        long as a block table row holds (and its positions in range), the other slots empty."""
+        r, capacity = self._slots(size), self.capacity
+        counts = [min(capacity, max(size - i * capacity, 0)) for i in range(r)]
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        self.input_ids[:size].zero_()
+        self.positions[:size].copy_(torch.cat([self.padding_positions[:c] for c in counts if c]))
+        self.slot_mapping[:size].zero_()
+        self.query_start_loc[: r + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seq_lens[:r].copy_(torch.tensor(counts, dtype=torch.int32))
+        self.block_table[:r].zero_()
+        return self._metadata(size, starts, counts)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -205,8 +205,12 @@ class ModelRunner:
             stash=(lambda: self.model.aux_hidden_states) if self.stash_aux_hidden else None,
         )
         if compilation.cudagraph_mode == "FULL":
-            # No step holds more tokens than the budget, or every request verifying drafts.
-            largest_step = max(max_num_batched_tokens, max_num_seqs * max(self.query_lens))
+            # No step holds more tokens than the budget, or every request verifying drafts, or
+            # every request its whole length.
+            largest_step = min(
+                max(max_num_batched_tokens, max_num_seqs * max(self.query_lens)),
+                max_num_seqs * max_model_len,
+            )
             self.mixed_graphs = MixedGraphs(
                 self.forward,
                 capture_sizes=sizes_up_to(

@@ -95,3 +95,29 @@ def test_sizes_a_step_can_pad_to():
     assert sizes_up_to(DEFAULT_CAPTURE_SIZES, 48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
     assert sizes_up_to(DEFAULT_CAPTURE_SIZES, 50) == [1, 2, 4, *range(8, 57, 8)]
     assert sizes_up_to([8, 4], 2048) == [4, 8]
+
+
+def test_capture_layout_keeps_each_request_within_a_block_table_row(tiny_qwen3_dir):
+    """A capture lays its tokens out as padding requests of at most a row's capacity (here one
+    block of 4); a size the slots cannot hold is not captured, and a batch whose padding
+    would overflow its one padding request runs without the graphs."""
+    model, kv = _prefilled(tiny_qwen3_dir)
+    before = [c.clone() for c in kv.caches]
+    graphs = MixedGraphs(
+        model.forward, capture_sizes=[2, 8, 16], max_num_seqs=2, max_blocks_per_seq=1,
+        block_size=BLOCK, device=torch.device("cpu"),
+    )  # fmt: skip
+    assert graphs.sizes == [2, 8]  # 16 tokens need more than 3 slots of 4
+    with torch.inference_mode():
+        metadata = graphs._padding_only(8)
+        assert metadata.query_start_loc_cpu == [0, 4, 8, 8] and metadata.seq_lens_cpu == [4, 4, 0]
+        assert graphs.positions[:8].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+        with set_forward_context(metadata):
+            model.forward(graphs.input_ids[:8], graphs.positions[:8])
+    for cache, old in zip(kv.caches, before, strict=True):
+        torch.testing.assert_close(cache[:, 1:], old[:, 1:], rtol=0, atol=0, equal_nan=True)
+    graphs.graphs[2] = graphs.graphs[8] = None  # as if captured
+    _, _, three = build_attn_metadata([([5, 6, 7], 0)], [[3]], BLOCK)
+    assert not graphs.can_run(three, 3)  # padded to 8: 5 padding tokens, more than a row
+    _, _, five = build_attn_metadata([([5, 6, 7], 0), ([8, 9], 0)], [[3], [5]], BLOCK)
+    assert graphs.can_run(five, 5)  # 3 padding tokens
