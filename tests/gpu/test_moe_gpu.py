@@ -321,8 +321,8 @@ def test_tiny_model_bf16_logits_as_close_as_the_dequantized_model(tiny_moe_dirs)
 
 @pytest.mark.parametrize("compile_", [False, True])
 def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
-    """The packed path inside the engine's CUDA graphs (FULL, and with torch.compile also
-    piecewise) gives the eager tokens.
+    """The packed path inside the engine's CUDA graphs (decode, mixed batches, and with
+    torch.compile also piecewise) gives the eager tokens.
 
     Static tiles in both sessions, so only graphs vs eager differs (tuned tiles in graphs:
     test_moe_tiles_gpu.py); tuning would also time every bucket's candidates twice here."""
@@ -331,7 +331,8 @@ def test_session_moe_weight_format_graphs_equal_eager(tiny_moe_dirs, compile_):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 300, 99], [42, 7], [1000, 3, 4, 5, 6, 7, 8, 9]]
     out = {}
-    modes = [("NONE", False), ("FULL_DECODE_ONLY", compile_)]
+    # FULL: the first step (three prompts at once) replays a mixed-batch graph.
+    modes = [("NONE", False), ("FULL_DECODE_ONLY", compile_), ("FULL", compile_)]
     if compile_:  # the prefill step through the graphed pieces
         modes.append(("FULL_AND_PIECEWISE", True))
     for mode, comp in modes:
