@@ -114,17 +114,19 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
 
 
 class CompilationConfig(msgspec.Struct, **_STRUCT):
-    # Which batches replay CUDA graphs (CUDA only). "FULL_DECODE_ONLY": uniform decode batches
+    # Which batches replay CUDA graphs (CUDA only). "FULL" (the default): uniform decode batches
     # (q tokens per request: 1, or 1 + K when verifying drafts) replay FULL graphs of the whole
-    # forward, the rest runs without graphs. "FULL": those, and batches of any other composition
-    # of up to the largest capture size in tokens replay FULL graphs too (one per token count,
-    # graphs/capture.py's MixedGraphs). "PIECEWISE": batches of up to the largest capture size in
-    # tokens replay the graphed pieces between attention calls, attention runs eagerly.
-    # "FULL_AND_PIECEWISE": FULL graphs for uniform decode, PIECEWISE for the rest. "NONE": no
-    # graphs. PIECEWISE modes need torch_compile (the pieces are compiled).
+    # forward, and batches of any other composition of up to the largest capture size in tokens
+    # replay FULL graphs too (one per token count, graphs/capture.py's MixedGraphs).
+    # "FULL_DECODE_ONLY": the uniform decode graphs only, the rest runs without graphs.
+    # "PIECEWISE": batches of up to the largest capture size in tokens replay the graphed pieces
+    # between attention calls, attention runs eagerly. "FULL_AND_PIECEWISE": FULL graphs for
+    # uniform decode, PIECEWISE for the rest. "NONE": no graphs. PIECEWISE modes need
+    # torch_compile (the pieces are compiled). FULL matches FULL_AND_PIECEWISE on mixed loads at
+    # the warm start of FULL_DECODE_ONLY (benchmarks/RESULTS.md, 2026-12-06).
     cudagraph_mode: Literal[
         "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"
-    ] = "FULL_DECODE_ONLY"
+    ] = "FULL"
     # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
     cudagraph_capture_sizes: list[PositiveInt] | None = None
     # On CUDA, compile the model with torch.compile, split at attention (Inductor fuses the

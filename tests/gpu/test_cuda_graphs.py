@@ -251,7 +251,8 @@ with Session(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=4, max_m
     out = s.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0))
     print(json.dumps({"how": runner.compile_cache, "traces": len(traces),
                       "precompiled": getattr(runner.forward, "precompiled", None) is not None,
-                      "tokens": out[0].token_ids, "phases": list(s.startup_seconds)}))
+                      "tokens": out[0].token_ids, "phases": list(s.startup_seconds),
+                      "mixed graphs": len(runner.mixed_graphs.graphs)}))
 """
 
 
@@ -282,6 +283,7 @@ def test_a_second_session_loads_the_precompiled_forward(tiny_qwen3_dir, tmp_path
     assert loaded["how"] == "loaded" and loaded["precompiled"]
     assert loaded["traces"] == 0
     assert loaded["tokens"] == built["tokens"]
+    assert built["mixed graphs"] > 0 and loaded["mixed graphs"] > 0  # the default mode, FULL
     for run in (built, loaded):  # the entry's load is timed apart from compile + capture
         phases = run["phases"]
         i = phases.index("load the compile artifacts")

@@ -63,6 +63,8 @@ def _generate(path, prompts, tp, mode, compile_, **options):
         ("NONE", False),
         ("FULL_DECODE_ONLY", False),  # captured without torch.compile: eager functional all-reduce
         ("FULL_DECODE_ONLY", True),
+        ("FULL", False),  # mixed batches from FULL graphs too: the same graph on every rank
+        ("FULL", True),
         ("FULL_AND_PIECEWISE", True),
     ],
 )
