@@ -76,7 +76,7 @@ class RepeatAnchor:
     target_layer_ids: tuple[int, ...] = ()
 
     def propose(self, requests):
-        from libkk.spec.base import DraftProposal
+        from libkk.spec_decode.base import DraftProposal
 
         drafts = [[r.token_ids[-1]] * r.max_drafts for r in requests]
         return DraftProposal(token_ids=drafts, draft_logits=[None] * len(requests))

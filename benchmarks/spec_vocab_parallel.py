@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from libkk.sample.rejection import rejection_sample
-from libkk.spec.vocab_parallel import (
+from libkk.spec_decode.vocab_parallel import (
     sample_draft_full,
     stack_gather,
     vocab_parallel_draft,

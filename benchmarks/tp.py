@@ -256,8 +256,8 @@ def main() -> None:
 
 def _write_drafter(shape: str, path: Path) -> None:
     """A random one-layer DFlash drafter for `shape` (K = 7) at `path`, beside its checkpoint."""
-    from libkk.spec.dflash_model import DFlashConfig, default_target_layer_ids, save_drafter
-    from libkk.spec.train import init_drafter
+    from libkk.spec_decode.dflash_model import DFlashConfig, default_target_layer_ids, save_drafter
+    from libkk.spec_decode.training.distill import init_drafter
 
     if path.exists():
         return

@@ -29,7 +29,7 @@ import torch
 from libkk.kernels import NeedsWarmUp
 from tqdm import tqdm
 
-from libkk.dist import lockstep, track_captured_graph
+from libkk.distributed import lockstep, track_captured_graph
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))

@@ -306,7 +306,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from libkk.models.default import DEFAULT_MODEL_NAME, resolve_model_path
     from libkk.models.loader import load_model
     from libkk.models.tokenizer import Tokenizer
-    from libkk.spec.train import TrainOptions, train_drafter
+    from libkk.spec_decode.training.distill import TrainOptions, train_drafter
 
     device = args.device
     if device == "auto":
@@ -325,9 +325,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         with open(args.prompts, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
     if args.measure is not None:  # only measure an existing drafter on held-out prompts
-        from libkk.spec.dflash import DFlashProposer
-        from libkk.spec.dflash_model import load_drafter
-        from libkk.spec.train_target import builtin_prompts, chat_prompt_ids, measure_acceptance
+        from libkk.spec_decode.dflash import DFlashProposer
+        from libkk.spec_decode.dflash_model import load_drafter
+        from libkk.spec_decode.training.target import (
+            builtin_prompts,
+            chat_prompt_ids,
+            measure_acceptance,
+        )
 
         drafter = load_drafter(args.measure, device, dtype, quantization=args.quantization)
         proposer = DFlashProposer.from_drafter(drafter, target)

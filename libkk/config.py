@@ -171,11 +171,11 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     rejection_sample_method: Literal["exact", "synthetic"] = "exact"
     synthetic_acceptance_rates: list[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] | None = None
     # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
-    # profiled at start-up (libkk/engine/adaptive.py); the output is unchanged.
+    # profiled at start-up (libkk/engine/speculation.py); the output is unchanged.
     adaptive_verification: bool = False
     # Tensor parallelism, DFlash: drafts (greedy and probabilistic) are drawn from each rank's
     # vocabulary shard of the LM head with one small all-gather per row, and every rank verifies
-    # the drafts from its shard of the target logits (libkk/spec/vocab_parallel.py), instead of
+    # the drafts from its shard of the target logits (libkk/spec_decode/vocab_parallel.py), instead of
     # gathering [rows, vocab] logits. Rows it does not cover (penalties, banned ids, top-k, top-p,
     # min-p, logprobs) use whole rows: a verification step with any such row falls back entirely.
     # Same tokens as without it. No effect at tensor_parallel_size=1.

@@ -19,11 +19,11 @@ from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_ca
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
-from libkk.engine.adaptive import AdaptiveDrafts, profile_costs
 from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
 from libkk.engine.outputs import OutputProcessor, RequestOutput
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
+from libkk.engine.speculation import AdaptiveDrafts, profile_costs
 from libkk.errors import (
     ConfigError,
     InvalidRequestError,
@@ -37,8 +37,8 @@ from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
-from libkk.spec import build_proposer, runner_speculation
-from libkk.spec.base import ProposeRequest
+from libkk.spec_decode import build_proposer, runner_speculation
+from libkk.spec_decode.base import ProposeRequest
 
 logger = logging.getLogger("libkk")
 

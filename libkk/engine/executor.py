@@ -24,7 +24,7 @@ the ones used.
 Vocab-parallel drafting (`speculative.vocab_parallel_drafting`): each rank's DFlash proposer keeps
 its vocabulary shard of sampled drafts' logits, and each rank's runner is linked to them
 (`ModelRunner.use_vocab_parallel`), so every rank verifies the drafts from its own shards in
-step (libkk/spec/vocab_parallel.py); rank 0's verified tokens are the ones used.
+step (libkk/spec_decode/vocab_parallel.py); rank 0's verified tokens are the ones used.
 
 Failure: a worker reports its exception over its pipe and exits; rank 0 checks the workers before
 each step and converts a failed collective into `TensorParallelError` naming the worker, its exit
@@ -32,7 +32,7 @@ code and its error. Collectives time out after `parallel.worker_timeout_s`, so a
 fails the Session instead of blocking it. After a failure the Session refuses further steps:
 the ranks may no longer be in step. `shutdown` stops the workers (politely, then by signal).
 
-Start-up and CUDA graphs: a worker reports each start-up phase it enters (libkk/dist/startup.py)
+Start-up and CUDA graphs: a worker reports each start-up phase it enters (libkk/distributed/startup.py)
 over its pipe, and every wait of rank 0 for its workers ends after `parallel.worker_timeout_s`
 with the phase each worker was in. NCCL collectives that a CUDA graph captured or replays are not
 timed by the NCCL watchdog, so on CUDA a monitor thread aborts the NCCL group when a worker exits
@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from libkk.config import EngineConfig
-from libkk.dist import (
+from libkk.distributed import (
     current_phase,
     destroy_tensor_parallel,
     get_tp_size,
@@ -80,7 +80,7 @@ from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
 from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
-from libkk.spec.base import Proposer
+from libkk.spec_decode.base import Proposer
 
 logger = logging.getLogger("libkk")
 

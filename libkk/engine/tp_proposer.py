@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from libkk.runtime.model_runner import ModelRunner
-from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
 
 if TYPE_CHECKING:
     from libkk.engine.executor import TPExecutor

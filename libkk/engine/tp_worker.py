@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from libkk.config import EngineConfig
-from libkk.dist import (
+from libkk.distributed import (
     destroy_tensor_parallel,
     enter_phase,
     init_tensor_parallel,
@@ -31,7 +31,7 @@ from libkk.engine.tp_proposer import ProposerCalls, apply_proposer_call, link_vo
 from libkk.runtime.heap import freeze_startup_objects
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.sampler import SamplerOutput
-from libkk.spec import build_proposer, runner_speculation
+from libkk.spec_decode import build_proposer, runner_speculation
 
 
 class _NoSampler:

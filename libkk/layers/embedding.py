@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from libkk.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.layers.linear import check_shape, linear, new_param
 
 

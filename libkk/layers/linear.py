@@ -11,7 +11,7 @@ several Hugging Face tensors, so decode reads one weight per matmul. Each parame
   this rank holds (ranges along one dim, concatenated); None: the whole tensor. The loader reads
   only those ranges, so weight loaders always receive this rank's part.
 
-Tensor parallelism (libkk.dist): column-parallel layers split their output rows across ranks
+Tensor parallelism (libkk.distributed): column-parallel layers split their output rows across ranks
 (`ColumnParallelLinear`, `QKVLinear` by heads, `GateUpLinear` by intermediate), row-parallel layers
 split their input columns and all-reduce the partial products (`RowParallelLinear`). At one rank
 every layer is the plain one: no slices, no collective.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from libkk.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from libkk.errors import ConfigError, CorruptCheckpointError
 from libkk.kernels.gemv import linear as gemv_linear
 

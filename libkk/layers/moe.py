@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import all_reduce, get_tp_size
+from libkk.distributed import all_reduce, get_tp_size
 from libkk.kernels.moe import moe_topk_routing
 from libkk.layers.linear import (
     Linear,

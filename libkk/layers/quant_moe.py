@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from libkk.dist import get_tp_rank
+from libkk.distributed import get_tp_rank
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.csf import csf_expand

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
-from libkk.dist import all_gather_last_dim, get_tp_size
+from libkk.distributed import all_gather_last_dim, get_tp_size
 from libkk.kernels.gemv import gate_up_silu
 from libkk.layers.activation import SiluAndMul
 from libkk.layers.attention import Attention

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from libkk.dist import get_tp_size
+from libkk.distributed import get_tp_size
 from libkk.errors import (
     ConfigError,
     CorruptCheckpointError,

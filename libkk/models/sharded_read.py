@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from libkk.dist import get_tp_size
+from libkk.distributed import get_tp_size
 from libkk.errors import ConfigError
 from libkk.quant.csf import (
     HEADER_BYTES,

@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.config import CompilationConfig, SchedulerConfig
-from libkk.dist import get_tp_rank, get_tp_size, get_tp_state, lockstep, track_captured_graph
+from libkk.distributed import get_tp_rank, get_tp_size, get_tp_state, lockstep, track_captured_graph
 from libkk.graphs.capture import (
     DEFAULT_CAPTURE_SIZES,
     DecodeGraphs,
@@ -42,7 +42,7 @@ from libkk.runtime.verify import shards_cover, verify, verify_from_shards
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import Sampler, SamplingRow, apply_penalties, sample_random
-from libkk.spec.vocab_parallel import ShardDrafts, tp_gather
+from libkk.spec_decode.vocab_parallel import ShardDrafts, tp_gather
 
 
 class ModelRunner:

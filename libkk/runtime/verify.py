@@ -1,12 +1,12 @@
 """Verification of drafts: the target's 1 + n rows per request -> accepted drafts + one token.
 
 Each row k is processed as the plain sampler would process it had d_0 .. d_{k-1} been accepted
-(libkk/spec/logits.py: penalties, bans, temperature, top-k/top-p/min-p), so random rows pass
+(libkk/spec_decode/logits.py: penalties, bans, temperature, top-k/top-p/min-p), so random rows pass
 temperature 1 to `rejection_sample` with the processed logits, and greedy rows temperature 0 with
 their penalized logits. q comes from the raw draft logits through the same processing.
 
 `verify_from_shards` is the same verification from this rank's vocab shard of the target logits
-under tensor parallelism (libkk/spec/vocab_parallel.py), for steps whose rows need no processing
+under tensor parallelism (libkk/spec_decode/vocab_parallel.py), for steps whose rows need no processing
 beyond a temperature and no logprobs (`shards_cover`); every rank calls it in step.
 
 `synthetic` (benchmarks only) accepts draft k with a configured probability, keyed like the exact
@@ -30,8 +30,8 @@ from libkk.runtime.io import ScheduledRequest
 from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
 from libkk.sample.sampler import SamplingRow, TokenLogprobs, _logprobs
-from libkk.spec.logits import position_rows, process_logits
-from libkk.spec.vocab_parallel import (
+from libkk.spec_decode.logits import position_rows, process_logits
+from libkk.spec_decode.vocab_parallel import (
     Gather,
     ShardDrafts,
     row_covered,

@@ -309,7 +309,7 @@ class _RecordingProposer:
     target_layer_ids = (0, 1)
 
     def __init__(self):
-        from libkk.spec.ngram import NgramProposer
+        from libkk.spec_decode.ngram import NgramProposer
 
         self.ngram = NgramProposer(1, 3)
         self.context: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -328,7 +328,7 @@ def test_model_proposers_get_hidden_states_of_final_tokens(cyclic_llama_dir, mon
     """add_context receives, in position order and without gaps, the chosen layers' hidden
     states of exactly the tokens whose KV became final (prefill chunks, anchor + accepted
     drafts), equal to a plain forward's."""
-    import libkk.spec as registry
+    import libkk.spec_decode as registry
     from libkk.layers.forward_context import set_forward_context
     from libkk.runtime.input_batch import build_input_batch
     from libkk.runtime.io import ScheduledRequest, SchedulerOutput
@@ -388,7 +388,7 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
     the estimator, and leaves the greedy output unchanged. (On a tiny CPU model the profiled
     verify cost hardly grows with tokens, so verifying everything would be the right choice:
     the test sets the cost tables after checking that start-up profiled them.)"""
-    from libkk.spec.adaptive import CostModel
+    from libkk.spec_decode.adaptive import CostModel
 
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     settings = dict(

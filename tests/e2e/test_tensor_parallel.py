@@ -243,8 +243,8 @@ def test_cli_tensor_parallel_size(tiny_llama_dir):
 def qwen3_drafter_dir(tmp_path_factory) -> Path:
     """A random DFlash drafter for the tiny Qwen3 (hidden 48, vocab 250): 4 heads, 2 KV heads,
     so it splits at tp=2."""
-    from libkk.spec.dflash_model import DFlashConfig, save_drafter
-    from libkk.spec.train import init_drafter
+    from libkk.spec_decode.dflash_model import DFlashConfig, save_drafter
+    from libkk.spec_decode.training.distill import init_drafter
 
     config = DFlashConfig(
         hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,

@@ -57,8 +57,8 @@ def qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory) -> Path:
     """A random DFlash drafter for it: 6 heads and 6 KV heads (splits at 2 and 3), K = 4."""
-    from libkk.spec.dflash_model import DFlashConfig, save_drafter
-    from libkk.spec.train import init_drafter
+    from libkk.spec_decode.dflash_model import DFlashConfig, save_drafter
+    from libkk.spec_decode.training.distill import init_drafter
 
     config = DFlashConfig(
         hidden_size=48, intermediate_size=96, num_layers=1, num_heads=6, num_kv_heads=6,

@@ -11,10 +11,16 @@ from libkk.models.arch_config import parse_arch_config
 from libkk.models.llama import LlamaForCausalLM
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import DFlashProposer
-from libkk.spec.dflash_model import DFlashConfig, dense_draft_hidden
-from libkk.spec.train import DrafterTrainer, Sample, TrainOptions, init_drafter, train_loop
+from libkk.spec_decode.base import ProposeRequest
+from libkk.spec_decode.dflash import DFlashProposer
+from libkk.spec_decode.dflash_model import DFlashConfig, dense_draft_hidden
+from libkk.spec_decode.training.distill import (
+    DrafterTrainer,
+    Sample,
+    TrainOptions,
+    init_drafter,
+    train_loop,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from libkk.sample.rejection import rejection_sample
-from libkk.spec.adaptive import AdaptiveVerifier, CostModel, synthetic_accept
-from libkk.spec.estimator import AcceptanceEstimator, draft_feature
-from libkk.spec.vocab_parallel import (
+from libkk.spec_decode.adaptive import AdaptiveVerifier, CostModel, synthetic_accept
+from libkk.spec_decode.estimator import AcceptanceEstimator, draft_feature
+from libkk.spec_decode.vocab_parallel import (
     sample_draft_full,
     vocab_parallel_draft,
     vocab_parallel_rejection_sample,

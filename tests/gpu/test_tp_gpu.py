@@ -127,8 +127,8 @@ def test_a_worker_killed_mid_step_fails_the_session(tiny_qwen3_dir, mode):
 
 def _random_drafter(path):
     """A random DFlash drafter for the tiny Qwen3 target, saved at `path`."""
-    from libkk.spec.dflash_model import DFlashConfig, save_drafter
-    from libkk.spec.train import init_drafter
+    from libkk.spec_decode.dflash_model import DFlashConfig, save_drafter
+    from libkk.spec_decode.training.distill import init_drafter
 
     config = DFlashConfig(
         hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2,

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import libkk.models.loader as loader_mod
-from libkk.dist import as_rank
+from libkk.distributed import as_rank
 from libkk.errors import ConfigError
 from libkk.models.loader import load_model
 from libkk.models.quantize import quantize_checkpoint

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from libkk.errors import ConfigError
-from libkk.spec.adaptive import (
+from libkk.spec_decode.adaptive import (
     AdaptiveVerifier,
     CostModel,
     context_features,
@@ -18,7 +18,7 @@ from libkk.spec.adaptive import (
     rate_for_acceptance_length,
     synthetic_accept,
 )
-from libkk.spec.estimator import (
+from libkk.spec_decode.estimator import (
     ONE_HOT_FEATURE,
     AcceptanceEstimator,
     SpeculationInputError,
@@ -228,7 +228,7 @@ def test_choice_under_graphs_pays_for_the_padded_shape() -> None:
 
 
 def test_step_overhead_is_learned_and_weighs_for_more_drafts() -> None:
-    from libkk.engine.adaptive import AdaptiveDrafts
+    from libkk.engine.speculation import AdaptiveDrafts
     from libkk.runtime.io import ScheduledRequest, SchedulerOutput
 
     cost, survival = _padded_graph_case()

@@ -18,9 +18,9 @@ from libkk.models.llama import LlamaForCausalLM
 from libkk.quant.formats import dequantize_fp8_block, quantize_fp8_block
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import DFlashProposer
-from libkk.spec.dflash_model import (
+from libkk.spec_decode.base import ProposeRequest
+from libkk.spec_decode.dflash import DFlashProposer
+from libkk.spec_decode.dflash_model import (
     SHIPPED_DRAFTER,
     DFlashConfig,
     default_target_layer_ids,
@@ -28,7 +28,7 @@ from libkk.spec.dflash_model import (
     read_drafter_config,
     save_drafter,
 )
-from libkk.spec.train import (
+from libkk.spec_decode.training.distill import (
     DrafterTrainer,
     Sample,
     TrainOptions,
@@ -36,7 +36,12 @@ from libkk.spec.train import (
     train_drafter,
     train_loop,
 )
-from libkk.spec.train_target import TargetRunner, generate, measure_acceptance, target_hidden_states
+from libkk.spec_decode.training.target import (
+    TargetRunner,
+    generate,
+    measure_acceptance,
+    target_hidden_states,
+)
 
 VOCAB, HIDDEN = 96, 64
 IDS = (0, 2)
@@ -195,7 +200,7 @@ def test_paged_block_forward_matches_dense_non_causal_reference(target) -> None:
 
 
 def _causal_logits(drafter, target, ctx_hidden, anchor_token, anchor_pos):
-    from libkk.spec.dflash_model import dense_block_attention
+    from libkk.spec_decode.dflash_model import dense_block_attention
 
     cfg = drafter.config
     n_ctx, rows = ctx_hidden.shape[0], cfg.block_size
@@ -465,7 +470,7 @@ shipped = pytest.mark.skipif(
 @shipped
 def test_shipped_drafter_proposes_for_the_default_model(default_target) -> None:
     from libkk.config import EngineConfig
-    from libkk.spec.train_target import builtin_prompts, chat_prompt_ids
+    from libkk.spec_decode.training.target import builtin_prompts, chat_prompt_ids
 
     model, tokenizer = default_target
     config = EngineConfig.from_settings(device="cpu")

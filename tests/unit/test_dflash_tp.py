@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libkk.dist import as_rank
+from libkk.distributed import as_rank
 from libkk.errors import ConfigError
 from libkk.layers.linear import linear
-from libkk.spec.dflash_model import DFlashConfig, load_drafter, save_drafter
-from libkk.spec.train import init_drafter
+from libkk.spec_decode.dflash_model import DFlashConfig, load_drafter, save_drafter
+from libkk.spec_decode.training.distill import init_drafter
 
 CONFIG = DFlashConfig(
     hidden_size=48,

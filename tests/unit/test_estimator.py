@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from libkk.errors import ConfigError
-from libkk.spec.adaptive import AdaptiveConfig, AdaptiveVerifier, CostModel
-from libkk.spec.estimator import (
+from libkk.spec_decode.adaptive import AdaptiveConfig, AdaptiveVerifier, CostModel
+from libkk.spec_decode.estimator import (
     FEATURE_CLAMP,
     ONE_HOT_FEATURE,
     AcceptanceEstimator,

@@ -1,6 +1,6 @@
-"""Imports run one way: api -> engine -> (cache, runtime) -> spec -> (models, sample) -> layers ->
+"""Imports run one way: api -> engine -> (cache, runtime) -> spec_decode -> (models, sample) -> layers ->
 kernels. A package may import only packages of a lower rank (siblings of one rank stay apart).
-Proposers (spec) build on the model classes and on the sampler's keyed noise and processing."""
+Proposers (spec_decode) build on the model classes and on the sampler's keyed noise and processing."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ RANK = {
     "graphs": 4,
     "models": 3,
     "sample": 3,
-    "spec": 3.5,
+    "spec_decode": 3.5,
     "layers": 2,
     "quant": 1.5,
-    "dist": 1.5,
+    "distributed": 1.5,
     "kernels": 1,
     "audio": 0.5,
     "config": 0.1,

@@ -8,8 +8,8 @@ import pytest
 
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.base import ProposeRequest
-from libkk.spec.ngram import NgramProposer, ngram_lookup
+from libkk.spec_decode.base import ProposeRequest
+from libkk.spec_decode.ngram import NgramProposer, ngram_lookup
 
 
 def _brute(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 import random
 
-from libkk.spec.ngram import ngram_lookup
+from libkk.spec_decode.ngram import ngram_lookup
 
 
 def _brute(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 
 from libkk.errors import CorruptCheckpointError
 from libkk.fsutil import read_json
-from libkk.spec.dflash_model import CONFIG_FILE, read_drafter_config
+from libkk.spec_decode.dflash_model import CONFIG_FILE, read_drafter_config
 
 
 def test_read_json_returns_the_content_or_names_the_file(tmp_path):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import libkk.spec as spec_registry
+import libkk.spec_decode as spec_registry
 from libkk.config import EngineConfig
 from libkk.errors import ConfigError
-from libkk.spec import make_proposer
-from libkk.spec.ngram import NgramProposer
+from libkk.spec_decode import make_proposer
+from libkk.spec_decode.ngram import NgramProposer
 
 
 def test_defaults_and_flat_names():
@@ -69,7 +69,7 @@ def test_registry_builds_ngram_and_reports_missing_modules(monkeypatch):
     with pytest.raises(ConfigError, match="needs a speculative method"):
         make_proposer(EngineConfig(), torch.nn.Linear(1, 1))
     monkeypatch.setitem(
-        spec_registry._REGISTRY, "dflash", "libkk.spec.no_such_module:DFlashProposer"
+        spec_registry._REGISTRY, "dflash", "libkk.spec_decode.no_such_module:DFlashProposer"
     )
     with pytest.raises(ConfigError, match="no_such_module"):
         make_proposer(EngineConfig.from_settings(method="dflash"), torch.nn.Linear(1, 1))

@@ -9,7 +9,7 @@ from libkk.runtime.io import ScheduledRequest
 from libkk.runtime.verify import verify
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import Sampler, SamplingRow
-from libkk.spec.logits import position_rows
+from libkk.spec_decode.logits import position_rows
 
 VOCAB = 32
 

@@ -23,7 +23,7 @@ TIMEOUT_S = 3.0
 _RANK = r"""
 import json, sys, time
 import torch
-from libkk.dist import (
+from libkk.distributed import (
     destroy_tensor_parallel, init_tensor_parallel, lockstep, track_captured_graph,
 )
 
@@ -129,7 +129,7 @@ def test_destroy_resets_the_tracked_graphs_first_and_returns(results):
 
 
 def test_graphs_are_tracked_only_under_a_group():
-    from libkk.dist import release_captured_graphs, track_captured_graph
+    from libkk.distributed import release_captured_graphs, track_captured_graph
 
     class Graph:
         def reset(self):

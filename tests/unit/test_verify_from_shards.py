@@ -15,7 +15,7 @@ from libkk.runtime.io import ScheduledRequest
 from libkk.runtime.verify import shards_cover, verify, verify_from_shards
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.vocab_parallel import ShardDrafts, stack_gather, vocab_parallel_draft
+from libkk.spec_decode.vocab_parallel import ShardDrafts, stack_gather, vocab_parallel_draft
 
 VOCAB = 40
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from libkk.dist import as_rank
+from libkk.distributed import as_rank
 from libkk.errors import SpeculationInputError
 from libkk.layers.embedding import (
     LMHead,
@@ -18,8 +18,8 @@ from libkk.layers.embedding import (
 )
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.rejection import rejection_sample
-from libkk.spec.estimator import draft_feature
-from libkk.spec.vocab_parallel import (
+from libkk.spec_decode.estimator import draft_feature
+from libkk.spec_decode.vocab_parallel import (
     DRAFT_STATS,
     FINAL_STATS,
     VERIFY_STATS,

@@ -1,5 +1,5 @@
 """The DFlash drafter model (arXiv 2602.06036): its config, layers, checkpoint I/O and dense torch
-references. The proposer that runs it is libkk/spec/dflash.py.
+references. The proposer that runs it is libkk/spec_decode/dflash.py.
 
 The drafter shares the target's embedding and LM head. The target's hidden states after the
 configured decoder layers (`target_layer_ids`, HF's `hidden_states[i + 1]`: the residual stream

@@ -49,7 +49,7 @@ to |dw| <= 1 (trust region) and w to [0, 4]; the intercepts are re-solved for th
 |db_k| <= 1 and b_k to [-8, 8]. A slot with no observations in the window keeps its intercept.
 Because every refit uses only its own window, evidence from a bad stretch (a run of confidently
 wrong drafts) is outweighed as soon as new evidence arrives; the adaptive verifier's exploration
-(`libkk.spec.adaptive`) makes sure some always does.
+(`libkk.spec_decode.adaptive`) makes sure some always does.
 """
 
 from __future__ import annotations

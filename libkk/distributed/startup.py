@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from libkk.dist.parallel_state import get_tp_state
+from libkk.distributed.parallel_state import get_tp_state
 from libkk.errors import TensorParallelError
 
 _phase = "start"

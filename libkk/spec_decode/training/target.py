@@ -1,4 +1,4 @@
-"""The target's side of drafter distillation (libkk/spec/train.py): running the target on a private
+"""The target's side of drafter distillation (libkk/spec_decode/training/distill.py): running the target on a private
 paged KV cache (`TargetRunner`), its continuations of prompts and the hidden states the drafter
 learns from, the built-in prompts, and `measure_acceptance`: greedy speculative decoding with a
 `DFlashProposer` against the target, reporting the acceptance length (accepted drafts + 1 per
@@ -21,8 +21,8 @@ from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 from libkk.sample.gumbel import gumbel_argmax
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.base import ProposeRequest
-from libkk.spec.dflash import DFlashProposer
+from libkk.spec_decode.base import ProposeRequest
+from libkk.spec_decode.dflash import DFlashProposer
 
 # -- running the target -----------------------------------------------------------------------
 

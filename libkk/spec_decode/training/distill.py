@@ -11,7 +11,7 @@
 4. AdamW; the drafter is written in the DFlash checkpoint layout (`save_drafter`).
 
 The target's side (running it, its continuations and hidden states, the built-in prompts,
-`measure_acceptance`) is libkk/spec/train_target.py; it runs the target on a private paged KV
+`measure_acceptance`) is libkk/spec_decode/training/target.py; it runs the target on a private paged KV
 cache, so distillation needs only the target model. The CLI loads it and its tokenizer.
 """
 
@@ -34,8 +34,8 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.errors import ConfigError
-from libkk.spec.dflash import DFlashProposer
-from libkk.spec.dflash_model import (
+from libkk.spec_decode.dflash import DFlashProposer
+from libkk.spec_decode.dflash_model import (
     DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
@@ -44,7 +44,7 @@ from libkk.spec.dflash_model import (
     load_drafter,
     save_drafter,
 )
-from libkk.spec.train_target import (
+from libkk.spec_decode.training.target import (
     AcceptanceReport,
     TargetRunner,
     builtin_prompts,

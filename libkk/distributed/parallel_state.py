@@ -33,7 +33,7 @@ class TPState:
     world_size: int
     backend: str  # "gloo" or "nccl": the group tensors of the forward pass go through
     group: dist.ProcessGroup | None  # the device group (None at world size 1)
-    # Start-up lockstep checks (libkk/dist/startup.py) go over a gloo group of their own whose
+    # Start-up lockstep checks (libkk/distributed/startup.py) go over a gloo group of their own whose
     # collectives time out after `timeout_s`.
     startup_group: dist.ProcessGroup | None = None
     timeout_s: float = 0.0

@@ -1,10 +1,10 @@
 """Tensor-parallel state and collectives over torch.distributed (gloo on CPU, NCCL on CUDA)."""
 
-from libkk.dist.collectives import (
+from libkk.distributed.collectives import (
     all_gather_last_dim,
     all_reduce,
 )
-from libkk.dist.parallel_state import (
+from libkk.distributed.parallel_state import (
     TPState,
     as_rank,
     destroy_tensor_parallel,
@@ -16,7 +16,7 @@ from libkk.dist.parallel_state import (
     tp_active,
     track_captured_graph,
 )
-from libkk.dist.startup import (
+from libkk.distributed.startup import (
     current_phase,
     enter_phase,
     lockstep,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from libkk.dist.parallel_state import get_tp_state
+from libkk.distributed.parallel_state import get_tp_state
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Adaptive verification in the engine: how many of each request's drafts the next step verifies.
 
 With `adaptive_verification=True`, after the proposer drafts, `AdaptiveDrafts.trim` asks the
-`AdaptiveVerifier` (libkk/spec/adaptive.py) for each request's draft count, from the draft
+`AdaptiveVerifier` (libkk/spec_decode/adaptive.py) for each request's draft count, from the draft
 distributions' features, the online acceptance estimate and the step costs, and cuts the drafts
 to it; after the step, `observe` takes each request's verified and accepted counts, which `learn`
 feeds to the estimator while the device runs the next step. Trimming only decides how many drafts
@@ -29,15 +29,15 @@ from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.adaptive import (
+from libkk.spec_decode.adaptive import (
     MAX_PROFILED_REQUESTS,
     AdaptiveVerifier,
     CostModel,
     context_features,
     proposal_features,
 )
-from libkk.spec.base import Proposer, ProposeRequest
-from libkk.spec.estimator import AcceptanceEstimator
+from libkk.spec_decode.base import Proposer, ProposeRequest
+from libkk.spec_decode.estimator import AcceptanceEstimator
 
 logger = logging.getLogger(__name__)
 

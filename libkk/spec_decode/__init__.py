@@ -17,18 +17,18 @@ import torch
 from torch import nn
 
 from libkk.errors import ConfigError
-from libkk.spec.adaptive import MAX_PROFILED_REQUESTS
+from libkk.spec_decode.adaptive import MAX_PROFILED_REQUESTS
 
 if TYPE_CHECKING:
     from libkk.config import EngineConfig
-    from libkk.spec.base import Proposer
+    from libkk.spec_decode.base import Proposer
 
 # method -> "module:factory". Factories in this module take (config, target_model, **context);
 # the DFlash proposer takes (config, target_model, device, dtype).
 _REGISTRY: dict[str, str] = {
-    "ngram": "libkk.spec:_make_ngram",
-    "draft_model": "libkk.spec:_make_draft_model",
-    "dflash": "libkk.spec.dflash:DFlashProposer",
+    "ngram": "libkk.spec_decode:_make_ngram",
+    "draft_model": "libkk.spec_decode:_make_draft_model",
+    "dflash": "libkk.spec_decode.dflash:DFlashProposer",
 }
 
 
@@ -159,7 +159,7 @@ def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> Runne
 
 
 def _make_ngram(config: EngineConfig, target_model: nn.Module, **_: Any) -> Proposer:
-    from libkk.spec.ngram import NgramProposer
+    from libkk.spec_decode.ngram import NgramProposer
 
     spec = config.speculative
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -177,7 +177,7 @@ def _make_draft_model(
     num_blocks: int,
     progress: bool,
 ) -> Proposer:
-    from libkk.spec.draft_model import DraftModelProposer
+    from libkk.spec_decode.draft_model import DraftModelProposer
 
     spec = config.speculative
     if draft_dir is None:

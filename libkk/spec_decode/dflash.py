@@ -1,10 +1,10 @@
 """DFlash block drafting (arXiv 2602.06036): the proposer that drafts K tokens per request from one
-forward of the drafter model (libkk/spec/dflash_model.py), keeping the drafter's paged KV cache of
+forward of the drafter model (libkk/spec_decode/dflash_model.py), keeping the drafter's paged KV cache of
 context features.
 
 Under tensor parallelism every rank runs the same draft calls in step. With
 `vocab_parallel_drafting`, drafts whose processing is at most a temperature come from each rank's
-LM-head shard (libkk/spec/vocab_parallel.py: one small all-gather per propose); each rank keeps its
+LM-head shard (libkk/spec_decode/vocab_parallel.py: one small all-gather per propose); each rank keeps its
 shard of the sampled drafts' logits in `shard_drafts` for the verification of the next step, and
 the proposal carries no logits for them (the model runner reads q from there).
 """
@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.dist import get_tp_size
+from libkk.distributed import get_tp_size
 from libkk.errors import ConfigError
 from libkk.layers.attention import attention_backend, store_kv
 from libkk.layers.embedding import vocab_parallel_head
 from libkk.layers.forward_context import AttentionMetadata
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
-from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
-from libkk.spec.dflash_model import (
+from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec_decode.dflash_model import (
     SHIPPED_DRAFTER,
     SHIPPED_TARGET,
     DFlashDraftModel,
@@ -33,8 +33,13 @@ from libkk.spec.dflash_model import (
     load_drafter,
     num_target_layers,
 )
-from libkk.spec.logits import position_rows, process_logits
-from libkk.spec.vocab_parallel import ShardDrafts, row_covered, tp_gather, vocab_parallel_draft
+from libkk.spec_decode.logits import position_rows, process_logits
+from libkk.spec_decode.vocab_parallel import (
+    ShardDrafts,
+    row_covered,
+    tp_gather,
+    vocab_parallel_draft,
+)
 
 
 @dataclass
@@ -395,7 +400,7 @@ class DFlashProposer(Proposer):
 
     def _sample(self, logits: torch.Tensor, active: list) -> torch.Tensor:
         """Drafts from [A, K, vocab] raw logits, position by position: row t is processed as the
-        verifier processes it (libkk.spec.logits: penalties counting drafts 0..t-1 as output,
+        verifier processes it (libkk.spec_decode.logits: penalties counting drafts 0..t-1 as output,
         then temperature and filters); greedy drafts take its argmax, probabilistic ones a keyed
         Gumbel-max on the draft stream (position + DRAFT_POSITION_SALT)."""
         num_req, k, _ = logits.shape

@@ -8,7 +8,7 @@ run as one catch-up query ending at the anchor, and then one token per round for
 
 Drafts are greedy (argmax of the processed draft logits; one-hot q) or probabilistic (keyed
 Gumbel-max on the draft stream, position + DRAFT_POSITION_SALT); the raw logits are returned so the
-verifier recomputes q with the same processing (libkk/spec/logits.py).
+verifier recomputes q with the same processing (libkk/spec_decode/logits.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from libkk.errors import ConfigError
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 from libkk.models.loader import load_model
 from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax, gumbel_argmax_at
-from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
-from libkk.spec.logits import position_rows, process_logits
+from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec_decode.logits import position_rows, process_logits
 
 
 def check_vocab_compatible(target_dir: Path | None, target_vocab: int, draft_dir: Path,

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from libkk.dist import get_tp_state
+from libkk.distributed import get_tp_state
 from libkk.errors import SpeculationInputError
 from libkk.sample.gumbel import (
     DRAFT_POSITION_SALT,
@@ -69,7 +69,7 @@ from libkk.sample.gumbel import (
 )
 from libkk.sample.rejection import ACCEPT_POSITION_SALT, check_value_ranges
 from libkk.sample.sampler import SamplingRow
-from libkk.spec.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
+from libkk.spec_decode.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
 
 Gather = Callable[[list[Tensor]], Tensor]
 
@@ -103,7 +103,7 @@ def tp_gather(tensors: list[Tensor]) -> Tensor:
 def row_covered(row: SamplingRow, vocab_size: int) -> bool:
     """Whether a row's processing is at most a temperature (no banned id, penalty, top-k, top-p
     or min-p), so that its tokens can come from vocab shards. Later rows of the same request
-    (`libkk.spec.logits.position_rows`) then are covered too: they only lift bans."""
+    (`libkk.spec_decode.logits.position_rows`) then are covered too: they only lift bans."""
     if not row.keeps_raw_argmax():
         return False
     p = row.params

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from libkk.errors import ConfigError, SpeculationInputError
 from libkk.sample.gumbel import keyed_uniform_at
-from libkk.spec.estimator import (
+from libkk.spec_decode.estimator import (
     ONE_HOT_FEATURE,
     AcceptanceEstimator,
     _int_rows,

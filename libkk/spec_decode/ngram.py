@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from libkk.spec.base import DraftProposal, Proposer, ProposeRequest
+from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
 
 
 def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
