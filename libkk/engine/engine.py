@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from libkk.cache.kv_cache import allocate_kv_caches, determine_num_blocks, kv_ca
 from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
+from libkk.engine.admission import make_request
 from libkk.engine.executor import TensorParallelError, TPExecutor, start_executor
 from libkk.engine.outputs import OutputProcessor, RequestOutput
 from libkk.engine.request import Request, RequestStatus
@@ -27,7 +27,6 @@ from libkk.engine.speculation import AdaptiveDrafts, profile_costs
 from libkk.errors import (
     ConfigError,
     InvalidRequestError,
-    PromptTooLongError,
     UnknownRequestError,
 )
 from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
@@ -300,55 +299,15 @@ class Engine:
         arrival_time: float,
     ) -> Request:
         """Tokenizes and validates a request; touches no engine state (safe off the lock)."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"params must be a SamplingParams, got {type(params).__name__}"
-            )
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty: expected a non-empty string")
-            prompt_text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text = None
-            token_ids = self._check_token_ids(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt has no tokens: expected at least one")
-        limit = self.max_model_len
-        needed = len(token_ids) + max(1, params.min_tokens)
-        if needed > limit:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens and min_tokens={params.min_tokens}: "
-                f"expected prompt tokens + max(1, min_tokens) <= max_model_len ({limit})"
-            )
-        room = limit - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return Request(
+        return make_request(
             request_id,
-            token_ids,
+            prompt,
             params,
-            seed=seed,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            max_tokens=max_tokens,
-            arrival_time=arrival_time,
-            prompt=prompt_text,
+            arrival_time,
+            tokenizer=self.tokenizer,
+            vocab_size=self.arch.vocab_size,
+            max_model_len=self.max_model_len,
         )
-
-    def _check_token_ids(self, prompt: Sequence[int]) -> list[int]:
-        vocab = self.arch.vocab_size
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError(
-                "prompt must be a string or a sequence of token ids (ints)"
-            ) from None
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad or any(isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {vocab}"
-            )
-        return ids
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:

@@ -1,0 +1,75 @@
+"""Admission: a prompt and its sampling parameters checked and turned into a `Request`.
+
+Touches no engine state, so a Session runs it off its lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from libkk.engine.request import Request
+from libkk.errors import InvalidRequestError, PromptTooLongError
+from libkk.models.tokenizer import Tokenizer
+from libkk.sample.params import SamplingParams
+
+
+def make_request(
+    request_id: str,
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    arrival_time: float,
+    *,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+) -> Request:
+    """Tokenizes and validates a request."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: expected a non-empty string")
+        prompt_text: str | None = prompt
+        token_ids = tokenizer.encode(prompt)
+    else:
+        prompt_text = None
+        token_ids = check_token_ids(prompt, vocab_size)
+    if not token_ids:
+        raise InvalidRequestError("prompt has no tokens: expected at least one")
+    limit = max_model_len
+    needed = len(token_ids) + max(1, params.min_tokens)
+    if needed > limit:
+        raise PromptTooLongError(
+            f"prompt has {len(token_ids)} tokens and min_tokens={params.min_tokens}: "
+            f"expected prompt tokens + max(1, min_tokens) <= max_model_len ({limit})"
+        )
+    room = limit - len(token_ids)
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return Request(
+        request_id,
+        token_ids,
+        params,
+        seed=seed,
+        eos_token_ids=tokenizer.eos_token_ids,
+        max_tokens=max_tokens,
+        arrival_time=arrival_time,
+        prompt=prompt_text,
+    )
+
+
+def check_token_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as token ids, as ints in range."""
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            "prompt must be a string or a sequence of token ids (ints)"
+        ) from None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad or any(isinstance(t, bool) for t in prompt):
+        raise InvalidRequestError(
+            f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {vocab_size}"
+        )
+    return ids
