@@ -57,14 +57,14 @@ def first_calls(path: Path, backend: str, sizes: list[int]) -> tuple[list[float]
 
             backend = piecewise.PiecewiseBackend(sizes, compile_piece)
         forward = CompiledForward(s.engine.model, backend=backend, precompile=False)
-        graphs = DecodeGraphs(forward, capture_sizes=sizes, max_blocks_per_seq=4,
+        graphs = DecodeGraphs(forward, model=s.engine.model, capture_sizes=sizes, max_blocks_per_seq=4,
                               block_size=s.engine.config.cache.block_size,
                               device=torch.device("cpu"))  # fmt: skip
         seconds = []
         with torch.inference_mode():
             for size in sizes:  # the static inputs and metadata a capture uses
                 start = time.perf_counter()
-                with set_forward_context(graphs._metadata(1, size)):
+                with set_forward_context(graphs._metadata(1, size), s.engine.model):
                     forward(graphs.input_ids[:size], graphs.positions[:size])
                 seconds.append(time.perf_counter() - start)
     return seconds, None if pieces is None else pieces[0]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from libkk.kernels import NeedsWarmUp
+from torch import nn
 from tqdm import tqdm
 
 from libkk.distributed import lockstep, track_captured_graph
@@ -68,6 +69,7 @@ class DecodeGraphs:
         self,
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
+        model: nn.Module,
         capture_sizes: Sequence[int],
         max_blocks_per_seq: int,
         block_size: int,
@@ -81,6 +83,7 @@ class DecodeGraphs:
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"query_lens must be >= 1, got {list(query_lens)}")
         self.forward = forward  # model.forward(input_ids, positions), compiled or not
+        self.model = model  # whose forward `forward` runs (the captures' forward context)
         self.stash = stash
         self.sizes = sorted(set(capture_sizes))
         self.query_lens = sorted(set(query_lens))
@@ -143,7 +146,7 @@ class DecodeGraphs:
         bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
         for i, (q, size) in enumerate(bar):
             self._layout(q)
-            with set_forward_context(self._metadata(q, size)):
+            with set_forward_context(self._metadata(q, size), self.model):
                 # The first graph's two warm-ups compile the forward, if compiled (torch.compile
                 # is lazy), and make the one-time state (cuBLAS workspaces, allocator blocks,
                 # loaded kernels). Later graphs capture straight away (their own kernel variants
@@ -281,6 +284,7 @@ class MixedGraphs:
         self,
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
+        model: nn.Module,
         capture_sizes: Sequence[int],
         max_num_seqs: int,
         max_blocks_per_seq: int,
@@ -298,6 +302,7 @@ class MixedGraphs:
         if not self.sizes:
             raise ValueError(f"no capture size of 2 tokens or more in {list(capture_sizes)}")
         self.forward = forward
+        self.model = model
         self.stash = stash
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
@@ -380,7 +385,7 @@ class MixedGraphs:
                                       unit="graph", disable=not progress)):  # fmt: skip
             metadata = self._padding_only(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
-            with set_forward_context(metadata):
+            with set_forward_context(metadata, self.model):
                 name = f"mixed graph of {size} tokens"
                 try:  # warm-ups as DecodeGraphs: the first graph, or an op that asks
                     captured = _capture(self.forward, ids, pos, self.pool, self.stash,

@@ -23,7 +23,7 @@ from torch import nn
 from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
 from libkk.layers.forward_context import AttentionMetadata, get_forward_context
 from libkk.layers.linear import takes_kernels
-from libkk.layers.registry import LayerRegistry
+from libkk.layers.registry import IndexedLayer
 
 
 class AttentionBackend(abc.ABC):
@@ -255,7 +255,7 @@ def attention_backend(device: torch.device) -> AttentionBackend:
     return backend
 
 
-class Attention(nn.Module):
+class Attention(IndexedLayer):
     """Multi-head / grouped-query attention over the paged KV cache of one layer.
 
     `kv_cache` is bound by the model runner after the cache is allocated. `k_scale` / `v_scale`
@@ -264,6 +264,8 @@ class Attention(nn.Module):
     rotated right before attention (Qwen3) sets `qk_norm_rope` and passes the step's positions:
     the layer applies them, so the backend can fuse them with the KV store.
     """
+
+    layer_kind = "attention"
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         super().__init__()
@@ -281,7 +283,6 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibration_pending = False
         self.qk_norm_rope: QKNormRope | None = None  # not submodules: the model owns them
-        self.layer_key = _LAYERS.register(self)
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """Sets the FP8 cache scales (stored value = x / scale) in place.
@@ -395,10 +396,6 @@ def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:
     return len(layers)
 
 
-# Every Attention layer of the process by key: the compiled graph names a layer by an int.
-_LAYERS: LayerRegistry[Attention] = LayerRegistry("attention layer")
-
-
 # NOTE: mutates_args is empty although the op writes the layer's KV cache: the cache is not an
 # argument (functionalizing it would copy the whole cache), and the op's output feeds the next
 # layer, so the compiled graph keeps every layer's call in order.
@@ -410,7 +407,8 @@ def _attention_op(
     positions: torch.Tensor | None,
     layer_key: int,
 ) -> torch.Tensor:
-    return _LAYERS.get(layer_key).attend(q, k, v, positions)
+    layer = get_forward_context().layers.get(Attention.layer_kind, layer_key)
+    return layer.attend(q, k, v, positions)
 
 
 @_attention_op.register_fake

@@ -1,16 +1,23 @@
 """The forward context: per-step attention metadata, set around `model.forward(input_ids, positions)`.
 
-A module-global keeps the model signature clean and lets graph capture bind static buffers: the
+A context keeps the model signature clean and lets graph capture bind static buffers: the
 attention layers read the metadata of the step being run from here, not from their arguments.
+It is per thread: several sessions in one process, stepped from their own threads, each see only
+their own step. It also names the running model's layers (`ModelLayers`), which a compiled
+graph's opaque ops look up by their index in that model.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from libkk.layers.registry import ModelLayers, model_layers
 
 
 @dataclass
@@ -41,26 +48,34 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
+    layers: ModelLayers  # of the model being run
 
 
-_forward_context: ForwardContext | None = None
+class _ThreadContext(threading.local):
+    current: ForwardContext | None = None
+
+
+_context = _ThreadContext()
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[ForwardContext]:
-    global _forward_context
-    previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata)
+def set_forward_context(
+    attn_metadata: AttentionMetadata, model: nn.Module
+) -> Iterator[ForwardContext]:
+    """The context of one forward of `model`, in this thread."""
+    previous = _context.current
+    _context.current = ForwardContext(attn_metadata=attn_metadata, layers=model_layers(model))
     try:
-        yield _forward_context
+        yield _context.current
     finally:
-        _forward_context = previous
+        _context.current = previous
 
 
 def get_forward_context() -> ForwardContext:
-    if _forward_context is None:
+    context = _context.current
+    if context is None:
         raise RuntimeError("model.forward called outside set_forward_context(...)")
-    return _forward_context
+    return context
 
 
 def null_prefill_metadata(

@@ -54,8 +54,9 @@ from libkk.kernels.moe import (
     fused_moe_w4a16_ref,
     fused_moe_w4a16_routed,
 )
+from libkk.layers.forward_context import get_forward_context
 from libkk.layers.linear import check_shape
-from libkk.layers.registry import LayerRegistry
+from libkk.layers.registry import IndexedLayer
 from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
 
 logger = logging.getLogger("libkk")
@@ -161,8 +162,10 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader, shard_ids, zero: 
     return p
 
 
-class QuantFusedMoE(nn.Module):
+class QuantFusedMoE(IndexedLayer):
     """The experts of one MoE layer as packed 4-bit weights (same forward contract as FusedMoE)."""
+
+    layer_kind = "packed_moe"
 
     def __init__(
         self,
@@ -223,7 +226,6 @@ class QuantFusedMoE(nn.Module):
         # torch path), and whether prefill-only steps run W4A8.
         self.fused_kernels = False
         self.fp8_prefill = False
-        self.layer_key = _LAYERS.register(self)
         # With csf_prefetch: the checkpoint's CSF blobs, by (param, expert, part), so the layer's
         # compressed scales are assembled from them instead of encoded again at load.
         self._csf_blobs: dict[tuple[str, int, int], CSFTensor] = {}
@@ -401,15 +403,11 @@ class QuantFusedMoE(nn.Module):
         )
 
 
-# Packed layers by key, for the opaque op that picks a row type's kernels at run time.
-_LAYERS: LayerRegistry[QuantFusedMoE] = LayerRegistry("packed MoE layer")
-
-
 @torch.library.custom_op("libkk::packed_moe_by_row_type", mutates_args=())
 def _packed_moe_by_row_type(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int
 ) -> torch.Tensor:
-    layer = _LAYERS.get(layer_key)
+    layer = get_forward_context().layers.get(QuantFusedMoE.layer_kind, layer_key)
     fp8 = layer.step_runs_fp8(hidden)
     return layer.run_experts(hidden, topk_weights, topk_ids, fp8=fp8)
 

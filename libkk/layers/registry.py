@@ -1,32 +1,48 @@
-"""Layers by int key, so that a compiled graph can name a layer in an opaque custom op's
-arguments (ops take tensors and plain values, not modules)."""
+"""A model's layers by index, so that a compiled graph can name a layer in an opaque custom op's
+arguments (ops take tensors and plain values, not modules).
+
+Indices are per model and per kind, in module order: every instance of a model numbers its layers
+alike, so one compiled graph (and the on-disk artifacts) serves any instance, and the op finds
+the instance being run through the forward context, never another session's model.
+"""
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import Generic, TypeVar
+from torch import nn
 
-T = TypeVar("T")
+UNNUMBERED = -1
 
 
-class LayerRegistry(Generic[T]):
-    """Every layer of one kind in the process, by key. Keys follow construction order, so the
-    model a process builds first gets the same keys (and compiled graphs that hit the on-disk
-    caches) in every process. A layer leaves when it is garbage-collected."""
+class IndexedLayer(nn.Module):
+    """A layer a compiled graph calls through an opaque op: `layer_kind` names its table,
+    `layer_key` its index there (UNNUMBERED until its model's `ModelLayers` is built)."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._layers: dict[int, weakref.ref[T]] = {}
-        self._next_key = itertools.count()
+    layer_kind: str = ""
+    layer_key: int = UNNUMBERED
 
-    def register(self, layer: T) -> int:
-        key = next(self._next_key)
-        self._layers[key] = weakref.ref(layer, lambda _: self._layers.pop(key, None))
-        return key
 
-    def get(self, key: int) -> T:
-        layer = self._layers[key]()
-        if layer is None:
-            raise RuntimeError(f"{self.kind} {key} no longer exists")
-        return layer
+class ModelLayers:
+    """The indexed layers of one model, per kind in module order; numbers them when built."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._layers: dict[str, list[IndexedLayer]] = {}
+        for module in model.modules():
+            if isinstance(module, IndexedLayer):
+                table = self._layers.setdefault(module.layer_kind, [])
+                module.layer_key = len(table)
+                table.append(module)
+
+    def get(self, kind: str, key: int) -> IndexedLayer:
+        table = self._layers.get(kind, [])
+        if not 0 <= key < len(table):
+            raise RuntimeError(f"the running model has no {kind} layer {key}")
+        return table[key]
+
+
+def model_layers(model: nn.Module) -> ModelLayers:
+    """The model's table, built (and its layers numbered) at the first call."""
+    layers = model.__dict__.get("_indexed_layers")
+    if layers is None:
+        layers = ModelLayers(model)
+        model.__dict__["_indexed_layers"] = layers
+    return layers

@@ -196,6 +196,7 @@ class ModelRunner:
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
             self.forward,
+            model=self.model,
             capture_sizes=sizes,
             max_blocks_per_seq=max_blocks_per_seq,
             block_size=self.block_size,
@@ -213,6 +214,7 @@ class ModelRunner:
             )
             self.mixed_graphs = MixedGraphs(
                 self.forward,
+                model=self.model,
                 capture_sizes=sizes_up_to(
                     compilation.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES, largest_step
                 ),
@@ -268,7 +270,9 @@ class ModelRunner:
             for n in tqdm(sizes, desc="Capturing piecewise graphs", disable=not progress):
                 # Every rank captures the same pieces in the same order (see DecodeGraphs).
                 lockstep(f"piecewise graphs, {n} tokens")  # the first compiles the forward
-                with set_forward_context(null_prefill_metadata(n, self.block_size, self.device)):
+                with set_forward_context(
+                    null_prefill_metadata(n, self.block_size, self.device), self.model
+                ):
                     self.forward(ids[:n], positions[:n])
         torch.cuda.synchronize()
         for piece in self.piecewise.pieces:  # released before a tensor-parallel group goes
@@ -282,7 +286,7 @@ class ModelRunner:
         metadata = dataclasses.replace(
             batch.attn_metadata, slot_mapping=F.pad(batch.attn_metadata.slot_mapping, (0, pad))
         )
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, self.model):
             hidden = self.forward(
                 F.pad(batch.input_ids, (0, pad)), F.pad(batch.positions, (0, pad))
             )
@@ -454,7 +458,7 @@ class ModelRunner:
             if aux_layers:
                 aux = self.model.aux_hidden_states  # padded rows past num_tokens are ignored
         else:
-            with set_forward_context(batch.attn_metadata):
+            with set_forward_context(batch.attn_metadata, self.model):
                 hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             if aux_layers:
                 aux = self.model.aux_hidden_states

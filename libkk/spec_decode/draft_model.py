@@ -236,7 +236,7 @@ class DraftModelProposer(Proposer):
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, self.model):
             hidden = self.model(ids_t, pos_t)  # [num_tokens, hidden]
         last = torch.tensor(query_start_loc[1:], device=dev) - 1
         return self.model.compute_logits(hidden[last]).float()

@@ -178,7 +178,7 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
             stash["t"] = hidden * 2  # stands in for aux hidden states
             return hidden
 
-        graphs = DecodeGraphs(forward, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
+        graphs = DecodeGraphs(forward, model=model, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
                               block_size=bs, device=torch.device("cuda"), query_lens=(1, q),
                               stash=lambda: stash["t"])  # fmt: skip
         graphs.capture(progress=False)
@@ -188,7 +188,7 @@ def test_multi_token_graphs_equal_eager(tiny_qwen3_dir, q):
             ids, pos, meta = _metadata(lens, bs, seed)
             assert graphs.can_run(meta, sum(lens))
             with torch.inference_mode():
-                with set_forward_context(meta):
+                with set_forward_context(meta, model):
                     eager = model.forward(ids, pos).clone()
                 hidden, stashed = graphs.run(ids, pos, meta)
             torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
@@ -222,7 +222,7 @@ def test_later_graphs_capture_without_a_warm_up_unless_an_op_needs_one(tiny_qwen
                 raise NeedsWarmUp("2 tokens")
             return model.forward(ids, pos)
 
-        graphs = DecodeGraphs(forward, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
+        graphs = DecodeGraphs(forward, model=model, capture_sizes=[2, 4, 8], max_blocks_per_seq=4,
                               block_size=bs, device=torch.device("cuda"))  # fmt: skip
         graphs.capture(progress=False)
         assert outside_capture == [8, 8, 2]
@@ -230,7 +230,7 @@ def test_later_graphs_capture_without_a_warm_up_unless_an_op_needs_one(tiny_qwen
         for seed, n in enumerate((1, 2, 3, 8)):
             ids, pos, meta = _metadata([1] * n, bs, seed)
             with torch.inference_mode():
-                with set_forward_context(meta):
+                with set_forward_context(meta, model):
                     eager = model.forward(ids, pos).clone()
                 hidden, _ = graphs.run(ids, pos, meta)
             torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)

@@ -55,7 +55,7 @@ def test_decode_graph_captured_before_calibration_reads_calibrated_scales():
     k = torch.zeros(2, KV_HEADS * DIM, device="cuda")
     v = torch.zeros(2, KV_HEADS * DIM, device="cuda")
     warm = _layer()  # compiles the kernels outside the capture, on another layer
-    with set_forward_context(decode):
+    with set_forward_context(decode, layer):
         warm.attend(q, k, v)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -74,7 +74,7 @@ def test_decode_graph_captured_before_calibration_reads_calibrated_scales():
     )  # fmt: skip
     pk = torch.randn(29, KV_HEADS * DIM, device="cuda") * 3000.0
     pv = torch.randn(29, KV_HEADS * DIM, device="cuda") * 2000.0
-    with set_forward_context(prefill):
+    with set_forward_context(prefill, layer):
         layer.attend(torch.randn(29, HEADS * DIM, device="cuda"), pk, pv)
     k_scale, v_scale = layer.kv_scales
     assert k_scale == pytest.approx(pk.abs().max().item() / FP8_MAX, rel=1e-6)

@@ -119,7 +119,7 @@ class PagedKV:
             self.block_size,
             self.device,
         )
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, self.model):
             hidden = self.model(input_ids, positions)
         for r in requests:
             r.num_cached = len(r.token_ids)

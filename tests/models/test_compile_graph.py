@@ -22,7 +22,7 @@ def test_the_compiled_forward_has_no_graph_break(tiny_llama_dir):
 
     model, _, ids, pos, metadata = _step(tiny_llama_dir)
     torch._dynamo.reset()
-    with torch.no_grad(), set_forward_context(metadata):
+    with torch.no_grad(), set_forward_context(metadata, model):
         explained = torch._dynamo.explain(model.forward)(ids, pos)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
@@ -34,7 +34,7 @@ def test_the_compiled_forward_equals_eager(tiny_llama_dir):
     from libkk.layers.forward_context import set_forward_context
 
     model, kv, ids, pos, metadata = _step(tiny_llama_dir)
-    with torch.no_grad(), set_forward_context(metadata):
+    with torch.no_grad(), set_forward_context(metadata, model):
         eager = model.forward(ids, pos)
         for cache in kv.caches:  # the compiled run must write the KV cache itself
             cache.fill_(float("nan"))
@@ -59,7 +59,7 @@ def test_piecewise_backend_splits_at_attention_and_equals_eager(tiny_llama_dir):
 
     model, kv, ids, pos, metadata = _step(tiny_llama_dir)
     backend = PiecewiseBackend(sizes=[8], compile_piece=compile_piece)
-    with torch.no_grad(), set_forward_context(metadata):
+    with torch.no_grad(), set_forward_context(metadata, model):
         eager = model.forward(ids, pos)
         for cache in kv.caches:
             cache.fill_(float("nan"))
@@ -90,10 +90,10 @@ def test_piecewise_pieces_compile_once_for_every_token_count(tiny_llama_dir):
     forward = CompiledForward(model, backend=backend)
     decode = build_attn_metadata([([5, 6, 7, 8, 9, 10], 5)], [[3, 7]], 4)  # request 0's next token
     with torch.no_grad():
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, model):
             forward(ids, pos)  # the prefill fills the cache
         d_ids, d_pos, d_meta = decode
-        with set_forward_context(d_meta):
+        with set_forward_context(d_meta, model):
             eager = model.forward(d_ids, d_pos)
             out = forward(d_ids, d_pos)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
@@ -127,7 +127,7 @@ def test_piecewise_compile_traces_the_model_once(tiny_llama_dir):
     model, _, ids, pos, metadata = _step(tiny_llama_dir)
     backend = Counted(sizes=[8], compile_piece=compile_piece)
     torch._dynamo.reset()
-    with torch.no_grad(), set_forward_context(metadata):
+    with torch.no_grad(), set_forward_context(metadata, model):
         CompiledForward(model, backend=backend)(ids, pos)
     assert Counted.calls == 1
     assert len(compiles) == len(backend.pieces) == len(model.attention_layers()) + 1

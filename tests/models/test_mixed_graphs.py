@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from libkk.graphs.capture import MixedGraphs
+from torch import nn
 
 from libkk.layers.forward_context import set_forward_context
 from libkk.models.loader import load_model
@@ -22,7 +23,7 @@ def _prefilled(model_dir):
     model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), progress=False)
     kv = PagedKV(model, num_blocks=16, block_size=BLOCK)
     ids, pos, metadata = build_attn_metadata([([5, 6, 7, 8], 0)], [[3]], BLOCK)
-    with torch.inference_mode(), set_forward_context(metadata):
+    with torch.inference_mode(), set_forward_context(metadata, model):
         model.forward(ids, pos)
     return model, kv
 
@@ -52,18 +53,18 @@ def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch,
     ids, pos, metadata = build_attn_metadata(requests, tables, BLOCK)
     t = ids.shape[0]
     with torch.inference_mode():
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, model):
             want = model.forward(ids, pos)
         want_caches = [c.clone() for c in kv.caches]
         for cache, old in zip(kv.caches, before, strict=True):
             cache.copy_(old)
         graphs = MixedGraphs(
-            model.forward, capture_sizes=[1, 2, 8, 16], max_num_seqs=max_num_seqs, max_blocks_per_seq=4,
+            model.forward, model=model, capture_sizes=[1, 2, 8, 16], max_num_seqs=max_num_seqs, max_blocks_per_seq=4,
             block_size=BLOCK, device=torch.device("cpu"),
         )  # fmt: skip
         graphs.block_table.fill_(15)  # stale tables from earlier steps must not be read
         size, staged = graphs.stage(ids, pos, metadata)
-        with set_forward_context(staged):
+        with set_forward_context(staged, model):
             got = model.forward(graphs.input_ids[:size], graphs.positions[:size])
     assert size == graphs.pad_to[t] and size >= t and staged.num_reqs == min(size, max_num_seqs) + 1
     # The kernels read the device copies, the reference path the host lists: the same layout.
@@ -72,19 +73,22 @@ def test_staged_batch_equals_the_unpadded_forward(request, model_fixture, batch,
     torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)
     for cache, expected in zip(kv.caches, want_caches, strict=True):
         # Padding wrote no real block (the CPU store writes padding into the null block 0;
-        # the kernels skip it). Unwritten slots hold NaN.
-        torch.testing.assert_close(cache[:, 1:], expected[:, 1:], rtol=0, atol=0, equal_nan=True)
+        # the kernels skip it). Unwritten slots hold NaN, so a stray write is a mismatch; the
+        # written ones may differ in rounding (a GEMM over more rows may block K differently).
+        torch.testing.assert_close(
+            cache[:, 1:], expected[:, 1:], rtol=1e-4, atol=1e-4, equal_nan=True
+        )
 
 
 def test_mixed_graphs_take_two_tokens_and_more():
     graphs = MixedGraphs(
-        lambda ids, pos: ids, capture_sizes=[1, 2, 4], max_num_seqs=8, max_blocks_per_seq=2,
+        lambda ids, pos: ids, model=nn.Module(), capture_sizes=[1, 2, 4], max_num_seqs=8, max_blocks_per_seq=2,
         block_size=BLOCK, device=torch.device("cpu"),
     )  # fmt: skip
     assert graphs.sizes == [2, 4] and graphs.pad_to[1] == 2 and graphs.pad_to[3] == 4
     with pytest.raises(ValueError, match="2 tokens or more"):
         MixedGraphs(
-            lambda ids, pos: ids, capture_sizes=[1], max_num_seqs=8, max_blocks_per_seq=2,
+            lambda ids, pos: ids, model=nn.Module(), capture_sizes=[1], max_num_seqs=8, max_blocks_per_seq=2,
             block_size=BLOCK, device=torch.device("cpu"),
         )  # fmt: skip
 
@@ -104,7 +108,7 @@ def test_capture_layout_keeps_each_request_within_a_block_table_row(tiny_qwen3_d
     model, kv = _prefilled(tiny_qwen3_dir)
     before = [c.clone() for c in kv.caches]
     graphs = MixedGraphs(
-        model.forward, capture_sizes=[2, 8, 16], max_num_seqs=2, max_blocks_per_seq=1,
+        model.forward, model=model, capture_sizes=[2, 8, 16], max_num_seqs=2, max_blocks_per_seq=1,
         block_size=BLOCK, device=torch.device("cpu"),
     )  # fmt: skip
     assert graphs.sizes == [2, 8]  # 16 tokens need more than 3 slots of 4
@@ -112,7 +116,7 @@ def test_capture_layout_keeps_each_request_within_a_block_table_row(tiny_qwen3_d
         metadata = graphs._padding_only(8)
         assert metadata.query_start_loc_cpu == [0, 4, 8, 8] and metadata.seq_lens_cpu == [4, 4, 0]
         assert graphs.positions[:8].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, model):
             model.forward(graphs.input_ids[:8], graphs.positions[:8])
     for cache, old in zip(kv.caches, before, strict=True):
         torch.testing.assert_close(cache[:, 1:], old[:, 1:], rtol=0, atol=0, equal_nan=True)

@@ -44,7 +44,7 @@ _START = textwrap.dedent(
     ids, pos, metadata = build_attn_metadata(requests, tables, 4)
     forward = CompiledForward(model, backend="aot_eager")
     cache = ArtifactCache(sys.argv[2])
-    with torch.inference_mode(), set_forward_context(metadata):
+    with torch.inference_mode(), set_forward_context(metadata, model):
         eager = model.forward(ids, pos)
         with artifact_cache_scope(torch.device("cpu"), {"model": "tiny"}, {}, cache=cache,
                                   forward=forward) as how:
@@ -101,7 +101,7 @@ def test_a_call_the_guards_reject_falls_back_to_torch_compile(tiny_llama_dir, ca
     ids, pos, metadata = build_attn_metadata([([5, 6, 7, 8, 9], 0)], [[3, 7]], 4)
     torch._dynamo.reset()
     forward = CompiledForward(model, backend="aot_eager")
-    with torch.inference_mode(), set_forward_context(metadata):
+    with torch.inference_mode(), set_forward_context(metadata, model):
         eager = model.forward(ids, pos)
         torch.testing.assert_close(forward(ids, pos), eager)
         assert forward.precompiled is not None
@@ -121,7 +121,7 @@ def test_the_precompiled_forward_keeps_the_aux_hidden_states(tiny_llama_dir):
     with torch.inference_mode():  # inference tensors, as the runner passes
         requests, tables = [([5, 6, 7, 8, 9], 0), ([11, 12], 0)], [[3, 7], [5]]
         ids, pos, metadata = build_attn_metadata(requests, tables, 4)
-    with torch.inference_mode(), set_forward_context(metadata):
+    with torch.inference_mode(), set_forward_context(metadata, model):
         eager = model.forward(ids, pos)
         eager_aux = model.aux_hidden_states.clone()
         compiled = CompiledForward(model, backend="aot_eager")
@@ -156,7 +156,7 @@ def test_an_entry_holding_only_the_precompiled_forward_is_loaded(
         with torch.inference_mode():  # fresh inference tensors each start, as the runner's
             ids, pos, metadata = build_attn_metadata([([5, 6, 7], 0)], [[3]], 4)
         forward = CompiledForward(model, backend="aot_eager")
-        with torch.inference_mode(), set_forward_context(metadata):
+        with torch.inference_mode(), set_forward_context(metadata, model):
             with artifact_cache_scope(
                 torch.device("cpu"), {"model": "tiny"}, {}, cache=cache, forward=forward
             ) as how:

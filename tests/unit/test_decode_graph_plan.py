@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 from libkk.graphs.capture import DecodeGraphs
+from torch import nn
 
 
 def _graphs(middle_lens_max_size: int | None) -> DecodeGraphs:
     return DecodeGraphs(
         lambda ids, positions: ids,  # never called: nothing is captured here
+        model=nn.Module(),
         capture_sizes=[1, 2, 4, 8],
         max_blocks_per_seq=4,
         block_size=16,

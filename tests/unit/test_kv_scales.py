@@ -93,7 +93,7 @@ def _attend(layer, metadata, k_gain: float, v_gain: float, seed: int = 0, q_gain
     q = torch.randn(n, HEADS * DIM, generator=gen) * q_gain
     k = torch.randn(n, KV_HEADS * DIM, generator=gen) * k_gain
     v = torch.randn(n, KV_HEADS * DIM, generator=gen) * v_gain
-    with set_forward_context(metadata):
+    with set_forward_context(metadata, layer):
         out = layer.attend(q, k, v)
     return k, v, out
 

@@ -135,7 +135,7 @@ class TargetRunner:
             seq_lens_cpu=seq_lens,
         )
         self._recorded.clear()
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, self.target):
             hidden = self.target(
                 torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev),
