@@ -238,6 +238,10 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CPU threads for torch (torch.set_num_threads, process-wide, set when a Session starts).
+    # None: the physical cores this process may run on (its affinity mask, hyper-threads counted
+    # once; libkk/engine/threads.py). What the CPU forward runs on; harmless on CUDA.
+    num_threads: PositiveInt | None = None
     # A request with no progress for this long is logged with its timeline.
     stall_threshold_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
     # Show progress bars for loading and conversion (stderr).

@@ -16,9 +16,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from libkk.config import EngineConfig
 from libkk.engine.engine import Engine
 from libkk.engine.outputs import RequestOutput
+from libkk.engine.threads import resolve_num_threads
 from libkk.errors import InvalidRequestError, SessionClosedError, UnknownRequestError
 from libkk.runtime.heap import freeze_startup_objects, release_frozen_objects
 from libkk.sample.params import SamplingParams
@@ -32,6 +35,9 @@ class Session:
     `Session(model=None, **settings)`: `model` is an HF-layout folder or a .gguf file (None: the
     default model); settings are the fields of `EngineConfig` and its sections, flat
     (`max_num_seqs=8`) or nested (`scheduler={...}`), applied on top of `config` if given.
+
+    Starting a session sets torch's CPU threads (process-wide) from `num_threads` (None: the
+    physical cores the process may run on).
     """
 
     def __init__(
@@ -41,6 +47,8 @@ class Session:
         self.config = (
             base.updated(**settings) if model is None else base.updated(model=model, **settings)
         )
+        # NOTE: before the engine loads: loading and start-up profiling already run on the CPU.
+        torch.set_num_threads(resolve_num_threads(self.config.num_threads))
         self._engine: Engine | None = Engine(self.config)
         # Seconds each start-up phase took, in order ("load weights", "compile and capture CUDA
         # graphs", ...; only the phases that ran).

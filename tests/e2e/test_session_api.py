@@ -198,3 +198,31 @@ def test_close_releases_and_rejects_further_calls(tiny_llama_dir):
     with pytest.raises(SessionClosedError):
         s.step()
     assert rid
+
+
+def test_num_threads_sets_torch_threads_before_the_model_loads(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from libkk.engine import engine as engine_module
+    from libkk.engine.threads import physical_cores
+
+    previous = torch.get_num_threads()
+    seen: list[int] = []
+    real_engine = engine_module.Engine
+
+    def engine(config):  # the thread count the engine starts (and loads the model) with
+        seen.append(torch.get_num_threads())
+        return real_engine(config)
+
+    monkeypatch.setattr("libkk.api.session.Engine", engine)
+    try:
+        torch.set_num_threads(max(2, previous))
+        with Session(str(tiny_llama_dir), num_threads=1) as s:
+            assert s.config.num_threads == 1
+            assert torch.get_num_threads() == 1
+            assert s.generate("Hello there", GREEDY).finish_reason == "length"
+        with Session(str(tiny_llama_dir)):  # None: the physical cores this process may use
+            assert torch.get_num_threads() == physical_cores()
+        assert seen == [1, physical_cores()]
+    finally:
+        torch.set_num_threads(previous)
