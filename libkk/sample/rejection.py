@@ -19,6 +19,10 @@ never depends on the rest of the batch:
 
 p = softmax(target_logits / T): callers apply penalties and top-k / top-p / min-p to the logits
 first (-inf logits are never emitted). q = draft_probs; None means one-hot drafts (n-gram): q(d) = 1.
+
+The keyed acceptance (`acceptance_uniforms`, `random_accepts`, `accepted_prefix`) and the output
+layout (`accepted_output`) are shared with libkk.spec_decode.vocab_parallel and
+libkk.runtime.verify, so every verification path decides alike.
 """
 
 from __future__ import annotations
@@ -89,16 +93,10 @@ def rejection_sample(
         q_d = torch.zeros_like(p_d)  # log 1
     else:
         q_d = draft_probs.float().gather(-1, drafts[..., None]).squeeze(-1).log()  # [R, K]
-    u = keyed_uniform_at(
-        seeds.repeat_interleave(k),
-        (positions[:, None] + steps[None, :k] + ACCEPT_POSITION_SALT).reshape(-1),
-        drafts.reshape(-1),
-    ).view(num_rows, k)  # [R, K]
-    # A token the target excludes (-inf) is never accepted, whatever q says.
-    accept_random = (p_d >= u.log() + q_d) & (p_d > -math.inf)  # [R, K]
+    accept_random = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
 
-    accept = torch.where(greedy[:, None], accept_greedy, accept_random) & valid  # [R, K]
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
+    accept = torch.where(greedy[:, None], accept_greedy, accept_random)  # [R, K]
+    num_accepted = accepted_prefix(accept, num_draft)  # [R]
 
     # The token after the accepted prefix: a residual sample at a rejection, else the bonus.
     rows = torch.arange(num_rows, device=device)
@@ -127,10 +125,54 @@ def rejection_sample(
     sampled = gumbel_argmax(final_logits, seeds, positions + j)  # [R]
     final = torch.where(greedy, target_argmax[rows, j], sampled)  # [R]
 
-    out = torch.full((num_rows, k1), -1, dtype=torch.int64, device=device)
-    out[:, :k] = torch.where(steps[None, :k] < j[:, None], draft_token_ids, -1)
-    out[rows, j] = final
-    return out, num_accepted
+    return accepted_output(draft_token_ids, num_accepted, final), num_accepted
+
+
+def acceptance_uniforms(seeds: Tensor, positions: Tensor, drafts: Tensor) -> Tensor:
+    """The keyed acceptance uniforms of a block of drafts.  # [R, K] fp32
+
+    u[r, k] = keyed_uniform_at(seeds[r], positions[r] + k + ACCEPT_POSITION_SALT, drafts[r, k]).
+    seeds, positions: [R] int64, positions of the first draft; drafts: [R, K] int64.
+    """
+    num_rows, k = drafts.shape
+    steps = torch.arange(k, device=drafts.device)
+    return keyed_uniform_at(
+        seeds.repeat_interleave(k),
+        (positions[:, None] + steps[None, :] + ACCEPT_POSITION_SALT).reshape(-1),
+        drafts.reshape(-1),
+    ).view(num_rows, k)
+
+
+def random_accepts(
+    log_p: Tensor, log_q: Tensor, seeds: Tensor, positions: Tensor, drafts: Tensor
+) -> Tensor:
+    """Which drafts pass the random test log p(d) >= log u + log q(d).  # [R, K] bool
+
+    log_p, log_q: [R, K] log-probabilities of the drafts under the target and the drafter;
+    u from acceptance_uniforms. A token the target excludes (-inf) never passes, whatever q says.
+    """
+    u = acceptance_uniforms(seeds, positions, drafts)  # [R, K]
+    return (log_p >= u.log() + log_q) & (log_p > -math.inf)
+
+
+def accepted_prefix(accept: Tensor, num_draft: Tensor) -> Tensor:
+    """The number of leading slots of `accept` [R, K] (bool) that pass, at most num_draft [R].
+    # [R] int64"""
+    steps = torch.arange(accept.shape[1], device=accept.device)
+    valid = steps[None, :] < num_draft[:, None]  # [R, K]
+    return (accept & valid).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def accepted_output(draft_token_ids: Tensor, num_accepted: Tensor, final: Tensor) -> Tensor:
+    """The emitted tokens: each row's num_accepted [R] drafts of draft_token_ids [R, K], then its
+    final token [R], padded with -1.  # [R, K+1] int64"""
+    num_rows, k = draft_token_ids.shape
+    device = draft_token_ids.device
+    steps = torch.arange(k, device=device)
+    out = torch.full((num_rows, k + 1), -1, dtype=torch.int64, device=device)
+    out[:, :k] = torch.where(steps[None, :] < num_accepted[:, None], draft_token_ids, -1)
+    out[torch.arange(num_rows, device=device), num_accepted] = final
+    return out
 
 
 def _check(

@@ -67,7 +67,12 @@ from libkk.sample.gumbel import (
     keyed_uniform_at,
     uniform_to_gumbel_,
 )
-from libkk.sample.rejection import ACCEPT_POSITION_SALT, check_value_ranges
+from libkk.sample.rejection import (
+    accepted_output,
+    accepted_prefix,
+    check_value_ranges,
+    random_accepts,
+)
 from libkk.sample.sampler import SamplingRow
 from libkk.spec_decode.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
 
@@ -363,26 +368,18 @@ def combine_verify_stats(
     draft_logprobs: [R, K] log q(d) (DraftSample.logprobs per slot), None for one-hot drafts.
     """
     row_max, rest, raw_max, raw_arg, z_draft = stats.unbind(-1)  # [S, R, K+1]
-    num_rows, k1 = row_max.shape[1:]
-    k = k1 - 1
-    device = row_max.device
+    k = row_max.shape[2] - 1
     greedy = temperatures == 0
-    steps = torch.arange(k1, device=device)
-    valid = steps[None, :k] < num_draft[:, None]  # [R, K]
+    valid = torch.arange(k, device=row_max.device)[None, :] < num_draft[:, None]  # [R, K]
     drafts = torch.where(valid, draft_token_ids, 0)
     _, lse, _ = _combine_lse(row_max, rest)  # [R, K+1]
     target_argmax = _first_max(raw_max, raw_arg).long()  # [R, K+1]
     accept_greedy = target_argmax[:, :k] == drafts
     p_d = z_draft.amax(dim=0)[:, :k].float() - lse[:, :k]  # [R, K]; one shard owns d
     q_d = torch.zeros_like(p_d) if draft_logprobs is None else draft_logprobs.float()
-    u = keyed_uniform_at(
-        seeds.repeat_interleave(k),
-        (positions[:, None] + steps[None, :k] + ACCEPT_POSITION_SALT).reshape(-1),
-        drafts.reshape(-1),
-    ).view(num_rows, k)  # [R, K]
-    accept_random = (p_d >= u.log() + q_d) & (p_d > -math.inf)
-    accept = torch.where(greedy[:, None], accept_greedy, accept_random) & valid
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
+    accept_random = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
+    accept = torch.where(greedy[:, None], accept_greedy, accept_random)
+    num_accepted = accepted_prefix(accept, num_draft)  # [R]
     return VerifyPlan(
         num_accepted=num_accepted,
         rejected=num_accepted < num_draft,
@@ -441,18 +438,12 @@ def final_shard_stats(
 def combine_final_stats(stats: Tensor, plan: VerifyPlan, draft_token_ids: Tensor) -> Tensor:
     """Output tokens [R, K+1] (accepted drafts, then the final token, padded with -1)."""
     n1, id1, pmax, n2, id2 = stats.unbind(-1)  # [S, R]
-    num_rows = n1.shape[1]
-    k = draft_token_ids.shape[1]
-    rows = torch.arange(num_rows, device=n1.device)
+    rows = torch.arange(n1.shape[1], device=n1.device)
     j = plan.num_accepted
     empty = (pmax.amax(dim=0) == -math.inf) & plan.rejected & ~plan.greedy
     sampled = torch.where(empty, _first_max(n2, id2), _first_max(n1, id1)).long()
     final = torch.where(plan.greedy, plan.target_argmax[rows, j], sampled)
-    steps = torch.arange(k, device=n1.device)
-    out = torch.full((num_rows, k + 1), -1, dtype=torch.int64, device=n1.device)
-    out[:, :k] = torch.where(steps[None, :] < j[:, None], draft_token_ids, -1)
-    out[rows, j] = final
-    return out
+    return accepted_output(draft_token_ids, j, final)
 
 
 def vocab_parallel_rejection_sample(
