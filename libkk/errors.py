@@ -22,6 +22,15 @@ class InvalidRequestError(LibkkError, ValueError):
     """A request cannot be served as given (empty prompt, bad token ids, ...)."""
 
 
+class UnknownArgumentError(InvalidRequestError, TypeError):
+    """A call got an argument it does not take: an unknown keyword (a misspelt name, say) or a
+    positional argument too many. Also a TypeError, which Python raises for these."""
+
+
+class UnknownSamplingParamError(SamplingParamsError, UnknownArgumentError):
+    """SamplingParams got a keyword that is not one of its fields."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus min_tokens) does not fit in max_model_len."""
 

@@ -8,13 +8,14 @@ only its own.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,11 +23,39 @@ from libkk.config import EngineConfig
 from libkk.engine.engine import Engine
 from libkk.engine.outputs import RequestOutput
 from libkk.engine.threads import resolve_num_threads
-from libkk.errors import InvalidRequestError, SessionClosedError, UnknownRequestError
+from libkk.errors import (
+    InvalidRequestError,
+    SessionClosedError,
+    UnknownArgumentError,
+    UnknownRequestError,
+)
 from libkk.runtime.heap import freeze_startup_objects, release_frozen_objects
 from libkk.sample.params import SamplingParams
 
 Prompt = str | Sequence[int]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _checked_arguments(method: _F) -> _F:
+    """Reports a call with an unknown keyword (or a positional argument too many) as an
+    UnknownArgumentError instead of a bare TypeError.
+
+    NOTE: Python checks the arguments before the method's frame exists, so a TypeError whose
+    traceback goes no deeper than this wrapper came from that check; one raised inside the
+    method passes through unchanged. Costs nothing on a good call."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except TypeError as exc:
+            if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                raise
+            raise UnknownArgumentError(
+                f"{exc}; see help(Session.{method.__name__}) for its arguments"
+            ) from None
+
+    return call  # type: ignore[return-value]
 
 
 class Session:
@@ -80,6 +109,7 @@ class Session:
 
     # ---- caller-driven loop ---------------------------------------------------------------
 
+    @_checked_arguments
     def submit(
         self,
         prompt: Prompt,
@@ -93,6 +123,7 @@ class Session:
             self._stepped.add(rid)
         return rid
 
+    @_checked_arguments
     def step(self) -> list[RequestOutput]:
         """Runs one engine step (if there is work) and returns the new outputs of requests
         submitted with `submit()`, including finished ones."""
@@ -103,6 +134,7 @@ class Session:
                 outputs.extend(self._drain(rid))
             return outputs
 
+    @_checked_arguments
     def abort(self, request_id: str) -> None:
         """Stops a request; its final output (finish_reason "abort") goes to whoever waits."""
         with self._lock:
@@ -116,6 +148,7 @@ class Session:
                 return  # already finished; its final output is queued
             self._queues[request_id].append(output)
 
+    @_checked_arguments
     def stats(self) -> dict[str, int | float]:
         """Engine counters: steps, preemptions, prefix-cache queries/hits (tokens); with
         kv_offload_bytes, the host tier's stored/restored blocks and bytes moved; with
@@ -126,12 +159,14 @@ class Session:
         with self._lock:
             return self.engine.stats()
 
+    @_checked_arguments
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self.engine.has_unfinished_requests
 
     # ---- blocking calls -------------------------------------------------------------------
 
+    @_checked_arguments
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -140,16 +175,28 @@ class Session:
         """Generates for one prompt (returns one output) or many (returns a list, in order).
 
         A prompt is a string or a list of token ids."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence)
-            and len(prompts) > 0
-            and all(isinstance(t, int) for t in prompts)
-        )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if not isinstance(prompts, (str, Iterable)):
+            raise InvalidRequestError(
+                f"prompts must be a string, a list of token ids or a list of prompts, got "
+                f"{type(prompts).__name__}: {prompts!r:.80}"
+            )
+        if isinstance(prompts, str):
+            single, batch = True, [prompts]
+        else:
+            items = list(prompts)
+            # Token ids (one prompt) unless an item is itself a prompt: a bad id in a list of ids
+            # is then reported as such, not as a batch of one-token prompts.
+            single = bool(items) and not any(isinstance(p, (str, bytes, Iterable)) for p in items)
+            batch = [items] if single else items
         if not batch:
             raise InvalidRequestError("prompts is empty: expected one prompt or a non-empty list")
         if params is None or isinstance(params, SamplingParams):
             per_request = [params] * len(batch)
+        elif not isinstance(params, Iterable) or isinstance(params, (str, bytes, Mapping)):
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, a list of them (one per prompt) or None, got "
+                f"{type(params).__name__}: {params!r:.80}"
+            )
         else:
             per_request = list(params)
             if len(per_request) != len(batch):
@@ -184,6 +231,7 @@ class Session:
         results = [finals[rid] for rid in rids]
         return results[0] if single else results
 
+    @_checked_arguments
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
@@ -206,6 +254,7 @@ class Session:
             if not finished:
                 self._abort_quietly(rid)
 
+    @_checked_arguments
     def chat(
         self,
         messages: Sequence[dict[str, str]],
@@ -213,8 +262,12 @@ class Session:
         **template_kwargs: Any,
     ) -> RequestOutput:
         """Renders the model's chat template (with the generation prompt) and generates."""
+        if isinstance(messages, Iterable) and not isinstance(messages, (str, bytes, Mapping)):
+            messages = list(messages)  # else the template's checks name what it got
         text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, **template_kwargs
+            messages,  # type: ignore[arg-type]
+            add_generation_prompt=True,
+            **template_kwargs,
         )
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         output = self.generate(token_ids, params)
@@ -223,6 +276,7 @@ class Session:
 
     # ---- lifetime -------------------------------------------------------------------------
 
+    @_checked_arguments
     def close(self) -> None:
         """Aborts what is still running, stops tensor-parallel workers and releases the model
         and KV cache memory."""

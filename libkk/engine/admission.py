@@ -5,12 +5,13 @@ Touches no engine state, so a Session runs it off its lock.
 
 from __future__ import annotations
 
+import operator
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from libkk.engine.request import Request
 from libkk.errors import InvalidRequestError, PromptTooLongError
-from libkk.models.tokenizer import Tokenizer
+from libkk.models.tokenizer import Tokenizer, check_utf8
 from libkk.sample.params import SamplingParams
 
 
@@ -30,6 +31,7 @@ def make_request(
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty: expected a non-empty string")
+        check_utf8("prompt", prompt)
         prompt_text: str | None = prompt
         token_ids = tokenizer.encode(prompt)
     else:
@@ -44,6 +46,8 @@ def make_request(
             f"prompt has {len(token_ids)} tokens and min_tokens={params.min_tokens}: "
             f"expected prompt tokens + max(1, min_tokens) <= max_model_len ({limit})"
         )
+    # NOTE: max_tokens beyond the room the prompt leaves is capped, not refused (vLLM and the
+    # OpenAI API do the same); the request ends with finish_reason "length" at max_model_len.
     room = limit - len(token_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -61,12 +65,19 @@ def make_request(
 
 def check_token_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
     """A prompt given as token ids, as ints in range."""
-    try:
-        ids = [int(t) for t in prompt]
-    except (TypeError, ValueError):
+    if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
         raise InvalidRequestError(
-            "prompt must be a string or a sequence of token ids (ints)"
-        ) from None
+            f"prompt must be a string or a sequence of token ids (ints), got "
+            f"{type(prompt).__name__}: {prompt!r:.80}"
+        )
+    ids = []
+    for i, t in enumerate(prompt):
+        try:
+            ids.append(operator.index(t))  # ints (numpy's too), never a float or a string
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt token ids[{i}] must be an int, got {type(t).__name__}: {t!r:.40}"
+            ) from None
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad or any(isinstance(t, bool) for t in prompt):
         raise InvalidRequestError(

@@ -46,6 +46,7 @@ from libkk.quant.checkpoint import (
     quant_config,
     quantize_stream,
 )
+from libkk.quant.csf import CorruptCSFError
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +141,18 @@ def load_model(
             tensors = reader.slice_rest(tensors)
         kv_scales: dict[int, dict[str, float]] = {}
         tensors = _divert_kv_scales(tensors, kv_scales)
+        taking: list[str] = []  # the tensor the model is taking, for error messages
         try:
-            loaded = model.load_weights(tensors)
+            loaded = model.load_weights(_taking(tensors, taking))
         except CorruptCheckpointError as e:
-            if current and str(current[0]) not in str(e):
-                raise CorruptCheckpointError(f"{e} (in {current[0]})") from None
+            message = str(e)
+            # A CSF blob is decoded where the model takes it, by code that has no tensor name.
+            if isinstance(e, CorruptCSFError) and taking and repr(taking[0]) not in message:
+                message = f"tensor {taking[0]!r}: {message}"
+            if current and str(current[0]) not in message:
+                message = f"{message} (in {current[0]})"
+            if message != str(e):
+                raise type(e)(message) from None
             raise
 
     # Optional parameters (calibrated activation scales) may be absent from a checkpoint.
@@ -386,11 +394,31 @@ def _iter_tensors(
                         raise CorruptCheckpointError(
                             f"cannot read tensor {name!r} from {str(shard.path)!r}: {e}"
                         ) from None
+                    except CorruptCSFError as e:  # a rank's rows of a CSF blob (sharded_read)
+                        raise CorruptCSFError(
+                            f"tensor {name!r} in {str(shard.path)!r}: {e}"
+                        ) from None
                     yield name, tensor
                     bar.update(1)
         except (SafetensorError, OSError) as e:
             raise CorruptCheckpointError(f"cannot read {str(shard.path)!r}: {e}") from None
     current.clear()
+
+
+def _taking(
+    tensors: Iterator[tuple[str, torch.Tensor]], taking: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `tensors`; `taking` holds the name of the last one yielded while the model takes
+    it, and is empty while the next one is read (a read error names its own tensor)."""
+    iterator = iter(tensors)
+    while True:
+        taking.clear()
+        try:
+            name, tensor = next(iterator)
+        except StopIteration:
+            return
+        taking.append(name)
+        yield name, tensor
 
 
 @contextmanager

@@ -23,6 +23,9 @@ from tokenizers import Tokenizer as Backend
 
 from libkk.errors import CorruptCheckpointError, InvalidRequestError, ModelNotFoundError
 
+# The roles a chat message may have: what chat templates are written for.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 _NAMED_SPECIAL = (
     "bos_token",
     "eos_token",
@@ -161,7 +164,11 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"text to encode must be a str, got {type(text).__name__}: {text!r:.80}"
             )
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # what `tokenizers` raises for a str that UTF-8 cannot encode
+            check_utf8("text to encode", text)
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens are dropped unless skip_special_tokens is False."""
@@ -353,9 +360,27 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
                     f"messages[{i}][{key!r}] must be a str, got {type(message[key]).__name__}: "
                     f"{message[key]!r:.80}"
                 )
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}]['role'] is {message['role']!r:.40}: expected one of "
+                f"{', '.join(CHAT_ROLES)}"
+            )
+        check_utf8(f"messages[{i}]['content']", message["content"])
         # Like transformers: a key set to None is dropped, templates handle absent keys better.
         out.append({str(k): _plain(v) for k, v in message.items() if v is not None})
     return out
+
+
+def check_utf8(name: str, text: str) -> None:
+    """Refuses a str that UTF-8 cannot encode (a lone surrogate such as "\\udcff", which a decode
+    with errors="surrogateescape" leaves behind), naming `name` and the index."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{name} has a lone surrogate {text[e.start]!r} at index {e.start}: expected text "
+            "that UTF-8 can encode"
+        ) from None
 
 
 def _plain(value: Any) -> Any:

@@ -151,7 +151,7 @@ def dequantize_stream(
         if part == "input_scale":
             continue  # activation scales: for quantized activations, not used by this path
         if part == "weight_scale_csf":
-            part, tensor = "weight_scale", _decode_scale(tensor, algo)
+            part, tensor = "weight_scale", _decode_scale(name, tensor, algo)
         parts = pending.setdefault(prefix, {})
         parts[part] = tensor
         if needed <= parts.keys():
@@ -171,10 +171,12 @@ def _split(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def _decode_scale(blob: torch.Tensor, algo: str) -> torch.Tensor:
-    t = CSFTensor.from_bytes(blob.numpy().tobytes())
+def _decode_scale(name: str, blob: torch.Tensor, algo: str) -> torch.Tensor:
+    t = CSFTensor.from_bytes(blob.numpy().tobytes(), name)
     if t.kind != algo:
-        raise CorruptCheckpointError(f"CSF scales of kind {t.kind!r} in a {algo} checkpoint")
+        raise CorruptCheckpointError(
+            f"tensor {name!r}: CSF scales of kind {t.kind!r} in a {algo} checkpoint"
+        )
     scales = decode_csf(t)[0]  # [N, K / group]
     return scales.view(torch.float8_e4m3fn) if algo == "nvfp4" else scales
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from libkk.errors import CorruptCheckpointError
+
 CSF_VERSION = 1
 CSF_MAGIC = b"KCSF"
 SLAB_ROWS = 16
@@ -33,6 +35,12 @@ _ALIGN = 8
 
 # Rows per histogram chunk in the encoder: bounds the [rows, 256] histogram and the flat bin index.
 _HIST_ELEMS = 1 << 22
+
+
+class CorruptCSFError(CorruptCheckpointError, ValueError):
+    """A CSF blob that cannot be decoded: bad magic, unknown version or kind, truncated, or
+    records that disagree with the header. Also a ValueError, as this module's other input
+    errors are."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,8 +78,17 @@ class CSFTensor:
         return b"".join(parts)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> CSFTensor:
-        data = bytes(data)
+    def from_bytes(cls, data: bytes | bytearray | memoryview, name: str | None = None) -> CSFTensor:
+        """Decodes and validates a blob; CorruptCSFError (naming the tensor `name`, if given)
+        when it is not a well-formed CSF blob."""
+        try:
+            return cls._from_bytes(bytes(data))
+        except ValueError as e:
+            where = f"tensor {name!r}: " if name else ""
+            raise CorruptCSFError(f"{where}{e}") from None
+
+    @classmethod
+    def _from_bytes(cls, data: bytes) -> CSFTensor:
         if len(data) < HEADER_BYTES:
             raise ValueError(
                 f"CSF: {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header"

@@ -7,17 +7,48 @@ from typing import Any
 
 import msgspec
 
-from libkk.errors import SamplingParamsError
+from libkk.errors import SamplingParamsError, UnknownSamplingParamError
 
 _MAX_SEED = 2**63 - 1
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _CheckedCall(type(msgspec.Struct)):  # type: ignore[misc]
+    """Construction that reports an unknown keyword (or a positional argument) as a LibkkError.
+
+    NOTE: a Struct's __init__ is msgspec's own C code, which raises a bare TypeError for these;
+    the metaclass call is the one place to catch it. A TypeError whose traceback goes no deeper
+    than this frame came from that argument check, not from __post_init__."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except TypeError as exc:
+            if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                raise
+            known = ", ".join(cls.__struct_fields__)
+            raise UnknownSamplingParamError(
+                f"SamplingParams: {exc} (expected keyword arguments among: {known})"
+            ) from None
+
+
+class SamplingParams(
+    msgspec.Struct,
+    metaclass=_CheckedCall,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+):
     """Decoding settings of one request (vLLM conventions).
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters. A request with a
     `seed` gives the same tokens alone, in any batch, chunked or not: the sampling noise is keyed by
     (seed, position, token id).
+
+    max_tokens caps the generated tokens; None means "until the model's context is full". A value
+    larger than the room the prompt leaves (max_model_len - prompt tokens) is accepted and capped to
+    it, as vLLM and the OpenAI API do: the request then ends with finish_reason "length" once the
+    sequence reaches max_model_len. Only a prompt that leaves no room for max(1, min_tokens) tokens
+    is refused (PromptTooLongError).
     """
 
     max_tokens: int | None = 16

@@ -161,3 +161,83 @@ def test_piecewise_graphs_need_torch_compile():
 
     with pytest.raises(ConfigError, match="needs torch_compile=True"):
         EngineConfig.from_settings(cudagraph_mode="FULL_AND_PIECEWISE", torch_compile=False)
+
+
+def test_max_tokens_far_beyond_max_model_len_is_capped_to_the_room_left(session):
+    """The documented rule (SamplingParams.max_tokens, README): accepted, capped, and the request
+    ends with "length" when the sequence fills max_model_len."""
+    prompt = [5] * 10
+    out = session.generate(prompt, SamplingParams(max_tokens=1_000_000, ignore_eos=True))
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == session.max_model_len - len(prompt) == 54
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s: s.generate(None), "prompts must be .* got NoneType"),
+        (lambda s: s.generate(42), "prompts must be .* got int"),
+        (lambda s: s.generate("abc", 5), "params must be .* got int"),
+        (lambda s: s.submit(None), "prompt must be .* got NoneType"),
+        (lambda s: s.generate([1, 2.5]), r"token ids\[1\] must be an int, got float"),
+        (lambda s: s.generate("abc \udcff"), r"prompt has a lone surrogate '\\udcff' at index 4"),
+        (lambda s: s.chat(None), "messages must be a list"),
+        (
+            lambda s: s.chat([{"role": "user", "content": "a\udcffb"}]),
+            r"messages\[0\]\['content'\] has a lone surrogate",
+        ),
+    ],
+)
+def test_bad_arguments_raise_invalid_request_naming_them(session, call, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        call(session)
+    assert session.generate("abc", GREEDY).finish_reason == "length"  # still serving
+
+
+@pytest.mark.parametrize("role", ["robot", "User", "", "function"])
+def test_unknown_chat_role_is_refused_naming_it(session, role):
+    messages = [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]
+    with pytest.raises(InvalidRequestError, match=rf"messages\[1\]\['role'\] is '{role}'"):
+        session.chat(messages, GREEDY)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda s: s.generate("abc", max_tokens=5), "max_tokens"),
+        (lambda s: s.submit("abc", sampling_params=GREEDY), "sampling_params"),
+        (lambda s: s.stream("abc", temperature=0.0), "temperature"),
+        (lambda s: s.abort("x", force=True), "force"),
+        (lambda s: s.step(block=True), "block"),
+        (lambda s: s.generate("abc", GREEDY, "extra"), "positional"),
+    ],
+)
+def test_unknown_session_arguments_raise_a_libkk_error_naming_them(session, call, name):
+    from libkk.errors import UnknownArgumentError
+
+    with pytest.raises(UnknownArgumentError, match=name) as info:
+        call(session)
+    assert isinstance(info.value, (InvalidRequestError, TypeError))
+
+
+def test_a_type_error_inside_a_session_method_is_not_taken_for_a_bad_argument(session, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("a bug inside")
+
+    monkeypatch.setattr(session, "_add", broken)
+    with pytest.raises(TypeError, match="a bug inside") as info:
+        session.submit("abc", GREEDY)
+    assert not isinstance(info.value, InvalidRequestError)
+
+
+def test_unknown_sampling_param_is_a_libkk_error_and_a_type_error():
+    from libkk.errors import LibkkError
+
+    with pytest.raises(SamplingParamsError, match="'maxtokens'.*max_tokens") as info:
+        SamplingParams(maxtokens=5)
+    assert isinstance(info.value, LibkkError) and isinstance(info.value, TypeError)
+    with pytest.raises(SamplingParamsError, match="positional"):
+        SamplingParams(5)
+    # from_dict reports an unknown field the same way.
+    with pytest.raises(SamplingParamsError, match="maxtokens"):
+        SamplingParams.from_dict({"maxtokens": 5})

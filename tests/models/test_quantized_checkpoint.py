@@ -116,6 +116,73 @@ def test_a_missing_scale_is_a_corrupt_checkpoint(quantized, tmp_path):
         load_model(broken, torch.float32, torch.device("cpu"), progress=False)
 
 
+def _corrupt(blob: bytes, how: str) -> bytes:
+    import struct
+
+    if how == "magic":
+        return b"XXXX" + blob[4:]
+    if how == "version":
+        return blob[:4] + struct.pack("<H", 99) + blob[6:]
+    return blob[: len(blob) - 5]  # truncated
+
+
+def _with_corrupt_csf_blob(src, dst, how: str) -> str:
+    """A copy of the checkpoint `src` at `dst` with one CSF scale blob corrupted; its name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    tensors = load_file(weights)
+    victim = sorted(n for n in tensors if n.endswith(".weight_scale_csf"))[3]
+    bad = _corrupt(tensors[victim].numpy().tobytes(), how)
+    tensors[victim] = torch.frombuffer(bytearray(bad), dtype=torch.uint8)
+    save_file(tensors, weights)
+    return victim
+
+
+@pytest.mark.parametrize(
+    "how, match", [("magic", "bad magic"), ("version", "version 99"), ("truncated", "bytes")]
+)
+def test_a_corrupt_csf_blob_is_a_corrupt_checkpoint_naming_the_tensor(
+    quantized, tmp_path, how, match
+):
+    victim = _with_corrupt_csf_blob(quantized["mxfp4-csf"][0], tmp_path / "broken", how)
+    with pytest.raises(CorruptCheckpointError, match=match) as info:
+        load_model(tmp_path / "broken", torch.float32, torch.device("cpu"), progress=False)
+    assert repr(victim) in str(info.value)
+
+
+def test_a_csf_blob_decoded_by_the_model_is_reported_with_the_tensor_name(
+    quantized, tmp_path, monkeypatch
+):
+    """Packed experts (CUDA) decode CSF blobs inside the model's load_weights, without the tensor
+    name: the loader names the tensor the model was taking."""
+    from libkk.models import loader
+    from libkk.quant.csf import CSFTensor
+
+    victim = _with_corrupt_csf_blob(quantized["mxfp4-csf"][0], tmp_path / "broken", "magic")
+
+    def passthrough(tensors, config, dtype):  # the blobs reach the model as they are
+        for name, tensor in tensors:
+            yield name, tensor
+
+    def load_weights(self, tensors):
+        for name, tensor in tensors:
+            if name.endswith("_csf"):
+                CSFTensor.from_bytes(tensor.numpy().tobytes())
+        return set()
+
+    monkeypatch.setattr(loader, "dequantize_stream", passthrough)
+    model_dir = tmp_path / "broken"
+    model_class = loader.get_model_class(loader.read_arch_config(model_dir).architecture)
+    monkeypatch.setattr(model_class, "load_weights", load_weights)
+    with pytest.raises(CorruptCheckpointError, match="bad magic") as info:
+        load_model(model_dir, torch.float32, torch.device("cpu"), progress=False)
+    assert repr(victim) in str(info.value) and "model.safetensors" in str(info.value)
+
+
 def test_cli_quantize(tiny_moe_dir, tmp_path, capsys):
     from libkk.cli import main
 
