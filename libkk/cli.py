@@ -1,17 +1,54 @@
-"""The `libkk` command: generate, chat, info, cache, tables, train-drafter."""
+"""The `libkk` command: generate, chat, info, quantize, cache, tables, train-drafter."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from libkk.config import EngineConfig
-from libkk.errors import LibkkError
+from libkk.engine.threads import resolve_num_threads
+from libkk.errors import LibkkError, ModelNotFoundError
 from libkk.quant.checkpoint import FORMATS
 from libkk.sample.params import SamplingParams
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, except where the help says it already or there
+    is no value to show (None, False, an empty list: the help text says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        default = action.default
+        if default is None or default is False or default == []:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def _version() -> str:
+    # NOTE: from the installed metadata: importing the top-level package from here would run
+    # against the layering (libkk/__init__.py re-exports from every layer).
+    try:
+        return version("libkk")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars for loading and conversion, on stderr (default: only when stderr is "
+        "a terminal)",
+    )
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    return sys.stderr.isatty() if args.progress is None else args.progress
 
 
 def _parse_setting(item: str) -> tuple[str, Any]:
@@ -26,12 +63,16 @@ def _parse_setting(item: str) -> tuple[str, Any]:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
-    model_help = "HF-layout folder or .gguf file (default model)"
+    model_help = (
+        "HF-layout folder or .gguf file (default: SmolLM2-135M-Instruct, the default model)"
+    )
     if model_positional:
         p.add_argument("model", nargs="?", default=None, help=model_help)
     else:
         p.add_argument("--model", default=None, help=model_help)
-    p.add_argument("--config", default=None, help="engine settings as a JSON or TOML file")
+    p.add_argument(
+        "--config", default=None, help="engine settings as a JSON or TOML file (default: none)"
+    )
     p.add_argument(
         "--set",
         dest="settings",
@@ -39,23 +80,51 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fal
         default=[],
         type=_parse_setting,
         metavar="KEY=VALUE",
-        help="one engine setting, e.g. --set max_num_seqs=8",
+        help="one engine setting, e.g. --set max_num_seqs=8; repeatable (default: none)",
     )
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
         metavar="N",
-        help="split the model across N ranks (CUDA: N GPUs; CPU: N processes)",
+        help="split the model across N ranks (CUDA: N GPUs; CPU: N processes) (default: 1)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch, the setting num_threads (default: the physical cores this "
+        "process may run on)",
+    )
+    _progress_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate at most (capped to the room left in max_model_len)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 turns it off")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 turns it off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 turns it off")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when this text appears; repeatable (default: no stop strings)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="same seed, same tokens (default: a fresh random seed per request)",
+    )
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -64,10 +133,22 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         choices=["ngram", "draft_model", "dflash"],
         default=None,
         metavar="METHOD",
-        help="speculative decoding: ngram, draft_model (needs --draft-model) or dflash",
+        help="speculative decoding: ngram, draft_model (needs --draft-model) or dflash "
+        "(default: none)",
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
-    p.add_argument("--draft-model", default=None, help="the drafter's folder (or .gguf)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="drafts verified per step at most (default: 4)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="the drafter's folder or .gguf (default: none; dflash on the default model uses the "
+        "drafter shipped with libkk)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -77,6 +158,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = dict(args.settings)
     if getattr(args, "tensor_parallel_size", None) is not None:
         settings["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "threads", None) is not None:
+        settings["num_threads"] = args.threads
+    # Progress bars only on a terminal, unless asked for (or set in --set/--config).
+    if args.progress is not None:
+        settings["progress"] = args.progress
+    elif "progress" not in settings and config.progress:
+        settings["progress"] = sys.stderr.isatty()
     for flag, key in (
         ("speculative", "method"),
         ("num_speculative_tokens", "num_speculative_tokens"),
@@ -93,6 +181,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=list(args.stop),
         seed=args.seed,
     )
 
@@ -100,8 +191,10 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     from libkk.api.session import Session
 
-    with Session(config=_engine_config(args)) as session:
-        for output in session.stream(args.prompt, _sampling(args)):
+    # Both checked before the model loads: a bad value fails at once.
+    params, config = _sampling(args), _engine_config(args)
+    with Session(config=config) as session:
+        for output in session.stream(args.prompt, params):
             sys.stdout.write(output.delta_text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -130,20 +223,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    with Session(config=_engine_config(args)) as session:
+    params, config = _sampling(args), _engine_config(args)
+    with Session(config=config) as session:
         print("libkk chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
         while True:
             try:
-                line = input("> ")
+                line = _read_line("> ")
             except EOFError:
                 break
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
-            reply = session.chat(messages, _sampling(args))
+            reply = session.chat(messages, params)
             print(reply.text)
             messages.append({"role": "assistant", "content": reply.text})
     return 0
+
+
+def _read_line(prompt: str) -> str:
+    """A line of stdin. The prompt goes to stdout on a terminal, else to stderr, so redirected
+    output holds only the replies."""
+    if sys.stdout.isatty():
+        return input(prompt)
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    return input()
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -283,10 +387,22 @@ def cmd_tables_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from libkk.models.loader import checkpoint_shards
     from libkk.models.quantize import quantize_checkpoint
+    from libkk.quant.checkpoint import is_expert_weight
 
+    if not os.path.isdir(args.src):
+        raise ModelNotFoundError(f"model folder {args.src!r} does not exist")
+    shards = checkpoint_shards(args.src)  # ModelNotFoundError without safetensors files
+    if not any(is_expert_weight(name) for shard in shards for name in shard.names):
+        print(
+            f"libkk: error: {args.src} has no MoE expert weights (a dense model): `libkk quantize` "
+            "writes only experts in 4 bits, so there is nothing to quantize",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        report = quantize_checkpoint(args.src, args.dst, args.format)
+        report = quantize_checkpoint(args.src, args.dst, args.format, _show_progress(args))
     except (ValueError, FileExistsError) as e:
         print(f"libkk: error: {e}", file=sys.stderr)
         return 2
@@ -311,12 +427,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(resolve_num_threads(args.threads))
     model_dir = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_folder(model_dir)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    target, _ = load_model(model_dir, dtype, torch.device(device), progress=True)
+    target, _ = load_model(model_dir, dtype, torch.device(device), progress=_show_progress(args))
     mask = args.mask_token_id
     if mask is None:  # DFlash's own mask token if the vocabulary has one, else an unused special
         mask = tokenizer.token_to_id("<|MASK|>") or tokenizer.token_to_id("<empty_output>")
@@ -393,87 +508,200 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="libkk", description="Run an LLM in-process with libkk.")
+    parser = argparse.ArgumentParser(
+        prog="libkk",
+        description="Run an LLM in-process with libkk.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # -v also after the subcommand (`libkk generate -v ...`); SUPPRESS keeps a subcommand that
+    # was not given -v from resetting one given before it.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level"
+    )
 
-    gen = sub.add_parser("generate", help="continue a prompt and print the text as it comes")
-    gen.add_argument("prompt")
+    def command(
+        subparsers: Any, name: str, summary: str, description: str
+    ) -> argparse.ArgumentParser:
+        return subparsers.add_parser(
+            name,
+            help=summary,
+            description=description,
+            parents=[verbose],
+            formatter_class=_HelpFormatter,
+        )
+
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = command(
+        sub,
+        "generate",
+        "continue a prompt and print the text as it comes",
+        "Continue PROMPT with the model and print the text to stdout as it is generated. "
+        "With -v, a summary (tokens, finish reason, timings) follows on stderr.",
+    )
+    gen.add_argument("prompt", help="the text to continue")
     _add_engine_args(gen)
     _add_sampling_args(gen)
     _add_speculative_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="an interactive conversation with the chat template")
-    chat.add_argument("--system", default=None, help="a system message")
+    chat = command(
+        sub,
+        "chat",
+        "an interactive conversation with the chat template",
+        "Talk with the model through its chat template: one user message a line on stdin, each "
+        "reply on stdout. An empty line or Ctrl-D ends the conversation.",
+    )
+    chat.add_argument("--system", default=None, help="a system message (default: none)")
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    info = sub.add_parser("info", help="the model, its memory and the settings, as JSON")
+    info = command(
+        sub,
+        "info",
+        "the model, its memory and the settings, as JSON",
+        "Load the model and print its architecture, memory use (weights, KV cache) and the "
+        "resolved engine settings as JSON.",
+    )
     _add_engine_args(info)
     info.set_defaults(func=cmd_info)
 
-    cache = sub.add_parser("cache", help="the compiled-graph artifact cache: list, warm, prune")
-    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    cache_list = cache_sub.add_parser("list", help="every entry: key, state, size, dates, model")
+    cache = command(
+        sub,
+        "cache",
+        "the compiled-graph artifact cache: list, warm, prune",
+        "Manage the on-disk cache of compiled graphs that CUDA starts reuse.",
+    )
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    cache_list = command(
+        cache_sub,
+        "list",
+        "every entry: key, state, size, dates, model",
+        "List every entry of the compiled-graph artifact cache.",
+    )
     cache_list.set_defaults(func=cmd_cache_list)
-    warm = cache_sub.add_parser(
-        "warm", help="load a model once so its compiled graphs land in the cache"
+    warm = command(
+        cache_sub,
+        "warm",
+        "load a model once so its compiled graphs land in the cache",
+        "Load a model once with the given settings, so that its compiled graphs are stored and "
+        "the next start with the same settings loads them.",
     )
     _add_engine_args(warm, model_positional=True)
-    warm.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    warm.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="where to load it (default: the settings' device, auto)",
+    )
     warm.set_defaults(func=cmd_cache_warm)
-    prune = cache_sub.add_parser("prune", help="remove invalid entries (and old ones, or all)")
+    prune = command(
+        cache_sub,
+        "prune",
+        "remove invalid entries (and old ones, or all)",
+        "Remove invalid or unfinished entries of the artifact cache, and optionally old ones or "
+        "all of them.",
+    )
     prune.add_argument("--all", action="store_true", help="remove every entry")
     prune.add_argument(
         "--older-than",
         type=float,
         default=None,
         metavar="DAYS",
-        help="also remove entries not used for this many days",
+        help="also remove entries not used for this many days (default: keep valid entries)",
     )
     prune.set_defaults(func=cmd_cache_prune)
 
-    quantize = sub.add_parser("quantize", help="copy a checkpoint with its experts in 4 bits")
-    quantize.add_argument("src", help="HF-layout folder")
+    quantize = command(
+        sub,
+        "quantize",
+        "copy a checkpoint with its experts in 4 bits",
+        "Write a copy of an MoE checkpoint with its expert weights in a 4-bit format (the "
+        "*-csf formats also compress the block scales). A dense model has no experts and is "
+        "refused.",
+    )
+    quantize.add_argument("src", help="HF-layout folder of an MoE model")
     quantize.add_argument("dst", help="new folder to write")
-    quantize.add_argument("--format", required=True, choices=FORMATS)
+    quantize.add_argument("--format", required=True, choices=FORMATS, help="the 4-bit format")
+    _progress_arg(quantize)
     quantize.set_defaults(func=cmd_quantize)
 
-    td = sub.add_parser(
-        "train-drafter", help="distill a DFlash drafter from text the target generates itself"
+    td = command(
+        sub,
+        "train-drafter",
+        "distill a DFlash drafter from text the target generates itself",
+        "Train a DFlash block drafter on continuations the target model generates, or measure "
+        "an existing drafter's acceptance length (--measure).",
     )
-    td.add_argument("--model", default=None, help="target: HF folder or .gguf (default model)")
-    td.add_argument("--output", default=None, help="folder to write the drafter to")
+    td.add_argument(
+        "--model", default=None, help="target: HF folder or .gguf (default: the default model)"
+    )
+    td.add_argument(
+        "--output",
+        default=None,
+        help="folder to write the drafter to (default: none; needed unless --measure)",
+    )
     td.add_argument(
         "--measure",
         default=None,
         metavar="DRAFTER",
-        help="only measure this drafter's acceptance length on held-out prompts",
+        help="only measure this drafter's acceptance length on held-out prompts (default: train "
+        "a drafter)",
     )
-    td.add_argument("--quantization", choices=["fp8_per_block"], default=None, help="--measure")
-    td.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    td.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    td.add_argument(
+        "--quantization",
+        choices=["fp8_per_block"],
+        default=None,
+        help="with --measure: quantize the drafter's linears (default: none)",
+    )
+    td.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="device")
+    td.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: the physical cores this process may run on)",
+    )
+    _progress_arg(td)
     td.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     td.add_argument("--block-size", type=int, default=8, help="anchor + K masks")
-    td.add_argument("--target-layers", default=None, help="e.g. 1,14,27 (default: 3 spread)")
-    td.add_argument("--mask-token-id", type=int, default=None)
-    td.add_argument("--prompts", default=None, help="a text file, one prompt a line")
+    td.add_argument(
+        "--target-layers",
+        default=None,
+        help="target layers whose hidden states feed the drafter, e.g. 1,14,27 (default: 3 "
+        "spread over the model)",
+    )
+    td.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="(default: <|MASK|> if the vocabulary has it, else an unused special token)",
+    )
+    td.add_argument(
+        "--prompts", default=None, help="a text file, one prompt a line (default: built-in)"
+    )
     td.add_argument(
         "--corpus",
         default=None,
-        help="JSON of generated sequences: reused if it exists, else written",
+        help="JSON of generated sequences: reused if it exists, else written (default: none)",
     )
-    td.add_argument("--num-prompts", type=int, default=256)
-    td.add_argument("--max-new-tokens", type=int, default=128)
+    td.add_argument("--num-prompts", type=int, default=256, help="prompts to generate from")
+    td.add_argument("--max-new-tokens", type=int, default=128, help="tokens per continuation")
     td.add_argument("--gen-batch-size", type=int, default=32, help="sequences generated at once")
     td.add_argument("--temperature", type=float, default=0.0, help="0: greedy continuations")
-    td.add_argument("--steps", type=int, default=1000)
-    td.add_argument("--seqs-per-step", type=int, default=4)
-    td.add_argument("--blocks-per-seq", type=int, default=8)
-    td.add_argument("--lr", type=float, default=6e-4)
-    td.add_argument("--max-minutes", type=float, default=None, help="stop training after this")
+    td.add_argument("--steps", type=int, default=1000, help="training steps")
+    td.add_argument("--seqs-per-step", type=int, default=4, help="sequences per training step")
+    td.add_argument("--blocks-per-seq", type=int, default=8, help="blocks drawn per sequence")
+    td.add_argument("--lr", type=float, default=6e-4, help="learning rate")
+    td.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop training after this (default: no time limit)",
+    )
     td.add_argument(
         "--sampled-softmax",
         type=int,
@@ -481,19 +709,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="loss over the corpus tokens + N random others (0: the whole vocabulary)",
     )
-    td.add_argument("--init-from", default=None, help="continue from this drafter")
-    td.add_argument("--seed", type=int, default=0)
+    td.add_argument(
+        "--init-from", default=None, help="continue from this drafter (default: a fresh one)"
+    )
+    td.add_argument("--seed", type=int, default=0, help="random seed")
     td.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure")
     td.set_defaults(func=cmd_train_drafter)
 
-    tables = sub.add_parser(
-        "tables", help="shared host tables ($LIBKK_SHM_DIR or /dev/shm/libkk): list, prune"
+    tables = command(
+        sub,
+        "tables",
+        "shared host tables ($LIBKK_SHM_DIR or /dev/shm/libkk): list, prune",
+        "Manage the embedding tables that sessions with shared_host_tables=True share through "
+        "$LIBKK_SHM_DIR (default /dev/shm/libkk).",
     )
-    tables_sub = tables.add_subparsers(dest="tables_command", required=True)
-    tables_list = tables_sub.add_parser("list", help="every entry: key, size, state, tensor")
+    tables_sub = tables.add_subparsers(dest="tables_command", required=True, metavar="ACTION")
+    tables_list = command(
+        tables_sub,
+        "list",
+        "every entry: key, size, state, tensor",
+        "List every shared host table: key, size, state and tensor.",
+    )
     tables_list.set_defaults(func=cmd_tables_list)
-    tables_prune = tables_sub.add_parser(
-        "prune", help="remove invalid entries (or all; processes mapping one keep their pages)"
+    tables_prune = command(
+        tables_sub,
+        "prune",
+        "remove invalid entries (or all; processes mapping one keep their pages)",
+        "Remove invalid shared host tables, or all of them (processes mapping one keep their "
+        "pages until they exit).",
     )
     tables_prune.add_argument("--all", action="store_true", help="remove every entry")
     tables_prune.set_defaults(func=cmd_tables_prune)
