@@ -198,6 +198,8 @@ def _kk_py_init_check() -> int:
 
 @_export
 def _kk_py_runtime_info(fmt: int, buffer: Cdata, capacity: int, length: Cdata) -> None:
+    import torch  # imported with libkk already
+
     info = {
         "libkk_version": __version__,
         "python_version": sys.version.split()[0],
@@ -206,6 +208,7 @@ def _kk_py_runtime_info(fmt: int, buffer: Cdata, capacity: int, length: Cdata) -
         "base_prefix": sys.base_prefix,
         "utf8_mode": sys.flags.utf8_mode,
         "sessions": len(_sessions),
+        "torch_num_threads": torch.get_num_threads(),
     }
     write_encoded(info, fmt, buffer, capacity, length)
 

@@ -122,7 +122,10 @@ typedef struct kk_session_params {
     /* An HF-layout model folder or a .gguf file; NULL: the default model (SmolLM2-135M). */
     const char *model_path;
     /* Engine settings as a JSON object, flat ({"max_num_seqs": 8}) or by section
-       ({"scheduler": {"max_num_seqs": 8}, "cache": {"block_size": 32}}); NULL: the defaults. */
+       ({"scheduler": {"max_num_seqs": 8}, "cache": {"block_size": 32}}); NULL: the defaults.
+       {"num_threads": N} sets the CPU threads libkk computes with (torch's, process-wide, set
+       when the session is created; default: the physical cores the process may run on). On a
+       host that runs its own threads beside libkk's, fewer threads are often faster. */
     const char *settings_json;
 } kk_session_params;
 
@@ -217,7 +220,9 @@ KK_API kk_status kk_runtime_init(const char *python_executable);
 
 /*
  * The running interpreter as a JSON or msgpack object: libkk_version, python_version,
- * executable, prefix, base_prefix, utf8_mode, sessions (live ones). Size query with capacity 0.
+ * executable, prefix, base_prefix, utf8_mode, sessions (live ones), torch_num_threads (the CPU
+ * threads libkk computes with now; see num_threads in kk_session_params). Size query with
+ * capacity 0.
  */
 KK_API kk_status kk_runtime_info(kk_format format, char *buffer, size_t capacity, size_t *length);
 

@@ -162,8 +162,8 @@ static void test_init(void) {
 
 /* ---- sessions and handles ------------------------------------------------------------------- */
 
-static const char *const SETTINGS =
-    "{\"max_model_len\": 256, \"num_gpu_blocks\": 160, \"max_num_seqs\": 8, \"progress\": false}";
+static const char *const SETTINGS = "{\"max_model_len\": 256, \"num_gpu_blocks\": 160, "
+                                    "\"max_num_seqs\": 8, \"progress\": false, \"num_threads\": 1}";
 
 static kk_session *open_session(const char *model, const char *settings, kk_status expected,
                                 const char *needle) {
@@ -183,6 +183,8 @@ static kk_session *test_sessions(const char *model) {
     open_session(model, "{\"max_num_seqs\": 0}", KK_ERR_CONFIG, "max_num_seqs");
     open_session(model, "{\"max_num_seqs\": \"many\"}", KK_ERR_CONFIG, "max_num_seqs");
     open_session(model, "{\"no_such_setting\": 1}", KK_ERR_CONFIG, "no_such_setting");
+    open_session(model, "{\"num_threads\": 0}", KK_ERR_CONFIG, "$.num_threads");
+    open_session(model, "{\"num_threads\": \"all\"}", KK_ERR_CONFIG, "$.num_threads");
     open_session("", NULL, KK_ERR_INVALID_ARGUMENT, "model_path");
     EXPECT(kk_session_create(NULL, NULL), KK_ERR_INVALID_ARGUMENT, "out_session");
 
@@ -191,6 +193,10 @@ static kk_session *test_sessions(const char *model) {
     size_t length;
     EXPECT(kk_session_info(s, KK_FORMAT_JSON, info, sizeof info, &length), KK_OK, NULL);
     CHECK(strstr(info, "\"max_model_len\":256") != NULL, "session info: %s", info);
+    CHECK(strstr(info, "\"num_threads\":1") != NULL, "session info: %s", info);
+    /* num_threads took effect: the threads torch computes with */
+    EXPECT(kk_runtime_info(KK_FORMAT_JSON, info, sizeof info, &length), KK_OK, NULL);
+    CHECK(strstr(info, "\"torch_num_threads\":1") != NULL, "runtime info: %s", info);
     EXPECT(kk_session_info(s, KK_FORMAT_JSON, info, 3, &length), KK_ERR_BUFFER_TOO_SMALL, NULL);
     printf("ok sessions\n");
     return s;
