@@ -2,7 +2,9 @@
 
 Writes DIR/libkk.so (cffi embedding mode: the exported functions of include/libkk.h, written in
 abi.c and runtime.c, with the Python half, _marshal.py and _embedded.py, embedded as start-up
-code) and copies DIR/libkk.h next to it. Link with `-I DIR -L DIR -lkk -Wl,-rpath,DIR`, or dlopen DIR/libkk.so.
+code) and copies DIR/libkk.h next to it. Link with `-I DIR -L DIR -lkk -Wl,-rpath,DIR` with DIR
+absolute (a relative rpath is read from the directory the program runs in), or dlopen
+DIR/libkk.so.
 
 The library is linked against the shared libpython of the Python that runs this script, and by
 default (kk_runtime_init(NULL)) starts that same Python environment.

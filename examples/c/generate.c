@@ -2,7 +2,7 @@
  *
  *   python bindings_c/build.py --out build/libkk
  *   gcc -std=c99 -I build/libkk examples/c/generate.c -L build/libkk -lkk \
- *       -Wl,-rpath,build/libkk -o generate
+ *       -Wl,-rpath,"$PWD/build/libkk" -o generate
  *   ./generate [-m MODEL] [-n MAX_TOKENS] "The capital of France is"
  *
  * Without -m it runs the default model (SmolLM2-135M-Instruct); decoding is greedy.

@@ -1,7 +1,7 @@
 // stream.cpp: a prompt in, text streamed out as it is generated, through libkk's C ABI.
 //
 //   python bindings_c/build.py --out build/libkk
-//   B=build/libkk; g++ -std=c++17 -I $B examples/c/stream.cpp -L $B -lkk -Wl,-rpath,$B -o stream
+//   B=$PWD/build/libkk; g++ -std=c++17 -I $B examples/c/stream.cpp -L $B -lkk -Wl,-rpath,$B -o stream
 //   ./stream [-m MODEL] [-n MAX_TOKENS] "Once upon a time"
 //
 // Ctrl-C stops the generation (the abort callback sees it between steps) and still exits cleanly.

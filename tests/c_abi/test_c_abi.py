@@ -95,6 +95,27 @@ def test_examples_on_a_tiny_model_match_the_python_api(
         assert result.stdout == tiny_expected + "\n", _lines(result)
 
 
+def test_readme_build_line_runs_from_any_directory(
+    programs: Programs, tiny_llama_dir: Path, tiny_expected: str, tmp_path: Path
+) -> None:
+    """The README's gcc line, run where the README runs it (the checkout, with build/libkk), gives a
+    program that finds libkk.so from any working directory."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("gcc ") and "generate.c" in x)
+    checkout = tmp_path / "checkout"
+    (checkout / "build").mkdir(parents=True)
+    (checkout / "build" / "libkk").symlink_to(programs.build)
+    (checkout / "examples").symlink_to(ROOT / "examples")
+    built = run(["bash", "-c", line], cwd=checkout)
+    assert built.returncode == 0, _lines(built)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = [checkout / "generate", "-m", tiny_llama_dir, "-n", str(TINY_TOKENS), TINY_PROMPT]
+    result = run(args, cwd=elsewhere)
+    assert result.returncode == 0, _lines(result)
+    assert result.stdout == tiny_expected + "\n", _lines(result)
+
+
 def test_stream_example_stops_on_ctrl_c(programs: Programs, tiny_llama_dir: Path) -> None:
     args = [programs.stream, "-m", str(tiny_llama_dir), "-n", "400", TINY_PROMPT]
     with subprocess.Popen(
