@@ -183,7 +183,10 @@ class Session:
         if isinstance(prompts, str):
             single, batch = True, [prompts]
         else:
-            items = list(prompts)
+            try:
+                items = list(prompts)
+            except TypeError as e:  # an iterable that is not one (a 0-d tensor, say)
+                raise InvalidRequestError(f"prompts must be a string or a list: {e}") from None
             # Token ids (one prompt) unless an item is itself a prompt: a bad id in a list of ids
             # is then reported as such, not as a batch of one-token prompts.
             single = bool(items) and not any(isinstance(p, (str, bytes, Iterable)) for p in items)

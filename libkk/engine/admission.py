@@ -65,21 +65,27 @@ def make_request(
 
 def check_token_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
     """A prompt given as token ids, as ints in range."""
+    expected = "a string or a sequence of token ids (ints)"
     if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
         raise InvalidRequestError(
-            f"prompt must be a string or a sequence of token ids (ints), got "
-            f"{type(prompt).__name__}: {prompt!r:.80}"
+            f"prompt must be {expected}, got {type(prompt).__name__}: {prompt!r:.80}"
         )
+    try:
+        items = list(prompt)
+    except TypeError as e:  # an iterable that is not one (a 0-d tensor, say)
+        raise InvalidRequestError(f"prompt must be {expected}: {e}") from None
     ids = []
-    for i, t in enumerate(prompt):
+    for i, t in enumerate(items):
         try:
+            if isinstance(t, bool):
+                raise TypeError
             ids.append(operator.index(t))  # ints (numpy's too), never a float or a string
         except TypeError:
             raise InvalidRequestError(
                 f"prompt token ids[{i}] must be an int, got {type(t).__name__}: {t!r:.40}"
             ) from None
     bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad or any(isinstance(t, bool) for t in prompt):
+    if bad:
         raise InvalidRequestError(
             f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {vocab_size}"
         )

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from libkk import (
     ConfigError,
@@ -180,6 +181,9 @@ def test_max_tokens_far_beyond_max_model_len_is_capped_to_the_room_left(session)
         (lambda s: s.generate("abc", 5), "params must be .* got int"),
         (lambda s: s.submit(None), "prompt must be .* got NoneType"),
         (lambda s: s.generate([1, 2.5]), r"token ids\[1\] must be an int, got float"),
+        (lambda s: s.generate([3, True]), r"token ids\[1\] must be an int, got bool"),
+        (lambda s: s.generate(torch.tensor(3)), "prompts must be a string or a list"),
+        (lambda s: s.submit(torch.tensor(3)), "prompt must be a string or a sequence"),
         (lambda s: s.generate("abc \udcff"), r"prompt has a lone surrogate '\\udcff' at index 4"),
         (lambda s: s.chat(None), "messages must be a list"),
         (
@@ -192,6 +196,16 @@ def test_bad_arguments_raise_invalid_request_naming_them(session, call, match):
     with pytest.raises(InvalidRequestError, match=match):
         call(session)
     assert session.generate("abc", GREEDY).finish_reason == "length"  # still serving
+
+
+def test_token_ids_from_any_iterable(session):
+    ids = [5, 6, 7]
+    expected = session.generate(ids, GREEDY).token_ids
+    assert session.generate(iter(ids), GREEDY).token_ids == expected
+    assert session.generate(tuple(ids), GREEDY).token_ids == expected
+    # A list of prompts given as tensors is a batch.
+    batch = session.generate([torch.tensor(ids), torch.tensor(ids[:2])], GREEDY)
+    assert batch[0].token_ids == expected
 
 
 @pytest.mark.parametrize("role", ["robot", "User", "", "function"])
