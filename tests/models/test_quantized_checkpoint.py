@@ -165,8 +165,7 @@ def test_a_csf_blob_decoded_by_the_model_is_reported_with_the_tensor_name(
     victim = _with_corrupt_csf_blob(quantized["mxfp4-csf"][0], tmp_path / "broken", "magic")
 
     def passthrough(tensors, config, dtype):  # the blobs reach the model as they are
-        for name, tensor in tensors:
-            yield name, tensor
+        yield from tensors
 
     def load_weights(self, tensors):
         for name, tensor in tensors:
