@@ -109,7 +109,7 @@ def run(
         **spec,
     ) as s:
         if spec.get("rejection_sample_method") == "synthetic":
-            s.engine.proposer = RepeatAnchor()
+            s.engine.speculation.proposer = RepeatAnchor()
         s.generate(ids, params)  # warm up: every step shape the repeats will see
         before = s.stats()
         tok_s, steady = [], []

@@ -91,7 +91,8 @@ class ModelClock:
         self.seconds = 0.0
         self.ops = ops
         runner, model = engine.runner, engine.model
-        runner.forward = self._timed(runner.forward)
+        eager = runner.step_backends.eager  # every step on the CPU
+        eager.forward = self._timed(eager.forward)
         model.compute_logits = self._timed(model.compute_logits)
 
     def _timed(self, fn):  # noqa: ANN001, ANN202

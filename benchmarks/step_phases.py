@@ -88,7 +88,7 @@ def main() -> None:
     ) as s:
         engine, runner = s.engine, s.engine.runner
         if args.mode == "spec":
-            engine.proposer = RepeatAnchor()
+            engine.speculation.proposer = RepeatAnchor()
         s.generate(ids, params)  # warm-up: every step shape the timed run sees
         longest = [0]  # the longest query this step schedules: > 1 + K only with a prefill
         schedule = engine.scheduler.schedule
@@ -100,18 +100,18 @@ def main() -> None:
 
         engine.scheduler.schedule = noted_schedule
         timed(engine.scheduler, "schedule", "schedule")
-        timed(engine.scheduler, "update", "update")
+        timed(engine.scheduler, "append", "append")
         timed(engine, "_process_tokens", "outputs")
-        timed(engine, "_propose", "propose")
-        timed(runner, "_forward", "forward launch")
+        timed(engine.speculation, "after_step", "propose")
+        timed(runner.step_backends, "run", "forward launch")
         timed(runner.model, "compute_logits", "LM head launch")
-        timed(runner, "_sample_with_drafts", "logits + verification (waits)")
+        timed(runner, "_sample_with_drafts", "logits + verification")
         timed(model_runner, "build_input_batch", "input batch")
-        timed(engine, "_launch", "launch (async)")
-        timed(engine, "_finish_in_flight", "finish previous (async, waits)")
-        if engine.adaptive is not None:
+        timed(engine, "_launch", "launch")
+        timed(engine, "_finish", "finish (waits)")
+        if engine.speculation.adaptive is not None:
             for name in ("trim", "observe", "record_step"):
-                timed(engine.adaptive, name, f"adaptive {name}")
+                timed(engine.speculation.adaptive, name, f"adaptive {name}")
         if args.split_verify and device == "cuda":
             verify = model_runner.verify
 

@@ -9,7 +9,7 @@ calls):
     ModelRunner(...)                                    every rank builds its runner (and graphs)
     runner = executor.wrap(runner)                      waits until every worker is ready
 
-Each step, `TPModelRunner.execute` sends the plain-data SchedulerOutput to every worker over its
+(libkk/engine/rank.py builds every rank the same way.) Each step, `TPModelRunner.launch` sends the plain-data SchedulerOutput to every worker over its
 socket (`TPExecutor.send`: pickled once, then written to each; encoded as deltas against the
 previous step, libkk/engine/step_codec.py), then every rank runs its ModelRunner on it; the
 forward's collectives keep them in step. A socket, not a gloo broadcast of the object: the
@@ -22,8 +22,8 @@ a model drafter's forward runs collectives (DFlash splits like the target). Rank
 the ones used.
 
 Vocab-parallel drafting (`speculative.vocab_parallel_drafting`): each rank's DFlash proposer keeps
-its vocabulary shard of sampled drafts' logits, and each rank's runner is linked to them
-(`ModelRunner.use_vocab_parallel`), so every rank verifies the drafts from its own shards in
+its vocabulary shard of sampled drafts' logits, and each rank's runner is given them
+(`RunnerSpeculation.shard_drafts`), so every rank verifies the drafts from its own shards in
 step (libkk/spec_decode/vocab_parallel.py); rank 0's verified tokens are the ones used.
 
 Failure: a worker reports its exception over its pipe and exits; rank 0 checks the workers before
@@ -44,7 +44,6 @@ resets its captured graphs before destroying the group (NCCL waits for them fore
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import pickle
@@ -74,11 +73,11 @@ from libkk.distributed import (
     set_peer_status,
 )
 from libkk.engine.step_codec import StepEncoder
-from libkk.engine.tp_proposer import TPProposer, link_vocab_parallel
+from libkk.engine.tp_proposer import TPProposer
 from libkk.errors import ConfigError, TensorParallelError
 from libkk.models.arch_config import ArchConfig
 from libkk.models.loader import read_arch_config
-from libkk.runtime.io import LaunchedStep, ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, RunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.spec_decode.base import Proposer
 
@@ -184,7 +183,6 @@ class TPExecutor:
         self.timeout_s = config.parallel.worker_timeout_s
         self.failure: str | None = None
         self.proposer: TPProposer | None = None
-        self._runner: ModelRunner | None = None
         self._closed = False
         self._ready = False  # every worker is in its step loop (a stop message reaches it)
         self._steps = StepEncoder()
@@ -243,12 +241,10 @@ class TPExecutor:
         within `parallel.worker_timeout_s` of it); returns rank 0's step entry."""
         self._wait_for("ready", deadline=time.monotonic() + self.timeout_s)
         self._ready = True
-        self._runner = runner
         return TPModelRunner(runner, self)
 
     def wrap_proposer(self, proposer: Proposer) -> TPProposer:
         """Rank 0's proposer: its calls are made on every rank, in step (call after `wrap`)."""
-        link_vocab_parallel(self._runner, proposer)
         self.proposer = TPProposer(proposer, self)
         return self.proposer
 
@@ -265,20 +261,9 @@ class TPExecutor:
             if proc.exitcode is not None or rank in self._errors:
                 self._fail(rank, "")
 
-    def run_step(
-        self,
-        runner: ModelRunner,
-        sched_out: SchedulerOutput,
-        while_device_runs: Callable[[], None] | None = None,
-    ) -> ModelRunnerOutput:
-        return self._step(
-            functools.partial(runner.execute, while_device_runs=while_device_runs), sched_out
-        )
-
     def launch_step(self, runner: ModelRunner, sched_out: SchedulerOutput) -> _WatchedLaunch:
-        """`run_step` for async scheduling: every rank launches the step (and samples its tokens
-        on its own device). Waiting for rank 0's tokens is watched like a step: the device may
-        be waiting on a peer that died."""
+        """Sends the step to every worker, then launches it here. Waiting for rank 0's tokens
+        is watched like the step: the device may be waiting on a peer that died."""
         return _WatchedLaunch(self._step(runner.launch, sched_out), self)
 
     def _step(self, run: Callable[[SchedulerOutput], Any], sched_out: SchedulerOutput) -> Any:
@@ -511,11 +496,6 @@ class TPModelRunner:
         self.runner = runner
         self.executor = executor
 
-    def execute(
-        self, sched_out: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
-    ) -> ModelRunnerOutput:
-        return self.executor.run_step(self.runner, sched_out, while_device_runs)
-
     def launch(self, sched_out: SchedulerOutput) -> _WatchedLaunch:
         return self.executor.launch_step(self.runner, sched_out)
 
@@ -531,7 +511,7 @@ class _WatchedLaunch:
         self.launched = launched
         self.executor = executor
 
-    def wait(self) -> ModelRunnerOutput:
+    def wait(self) -> RunnerOutput:
         return self.executor.in_step(self.launched.wait)
 
     def __getattr__(self, name: str) -> Any:

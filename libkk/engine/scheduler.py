@@ -18,11 +18,13 @@ allocated like any other. After verification `num_computed_tokens` counts the an
 accepted drafts only; rejected drafts' slots are overwritten by later tokens. Preemption drops
 drafts.
 
-Async scheduling (engine.py) schedules step k before step k-1's tokens reach the host: counts
-advance at launch (`after_launch`), a token in flight is `Request.num_pending_tokens` and a
-placeholder in the scheduled token ids, and `resolve` appends it when it arrives. A request whose
-in-flight tokens reach max_tokens is not scheduled again. A step's time is charged to the prefill /
-decode share when its tokens arrive, one step later than in synchronous mode.
+Every step goes the same way: counts advance when it is launched (`after_launch`: its tokens are
+computed, drafts aside, and a sampling request's next token is in flight,
+`Request.num_pending_tokens`), and `append` takes its tokens when they reach the host. Async
+scheduling (engine.py) schedules step k before step k-1's tokens arrive: the in-flight token is a
+placeholder in the scheduled token ids, and a request whose in-flight tokens reach max_tokens is
+not scheduled again. A step's time is charged to the prefill / decode share when its tokens
+arrive.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from libkk.runtime.io import (
     DECODE_STEP,
     PLACEHOLDER_TOKEN_ID,
     PREFILL_STEP,
-    ModelRunnerOutput,
+    RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -114,8 +116,21 @@ class Scheduler:
             or ("mixed" if has_decode and has_prefill else DECODE if has_decode else PREFILL)
         )
         scheduled: dict[str, int] = {}
+        budget = self._schedule_running(step_class, budget, scheduled, out)
+        if step_class != DECODE:
+            self._schedule_waiting(budget, scheduled, now)
+        for request in self.running:
+            num_new = scheduled.get(request.request_id)
+            if num_new is not None:
+                out.requests.append(self._scheduled_request(request, num_new))
+                request.timeline.last_progress = now
+        return out
 
-        # Running requests first, oldest first; the newest are preempted when blocks run out.
+    def _schedule_running(
+        self, step_class: str | None, budget: int, scheduled: dict[str, int], out: SchedulerOutput
+    ) -> int:
+        """Running requests first, oldest first; the newest are preempted when blocks run out.
+        Fills `scheduled` (request id -> tokens); returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -144,42 +159,37 @@ class Scheduler:
                 i += 1
                 continue
             break  # the request preempted itself: nothing newer is left to run
+        return budget
 
-        # Then waiting requests, in arrival order (preempted ones were put back in front).
-        if step_class != DECODE:
-            j = 0  # skips only requests preempted with their last token in flight
-            while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting[j]
-                if request.reaches_length_in_flight:
-                    j += 1  # finishes when its token arrives: recomputing it would be wasted
-                    continue
-                hit_blocks, num_hit_tokens = [], 0
-                if request.num_computed_tokens == 0:
-                    hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit_tokens
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = budget
-                if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], now: float) -> None:
+        """Then waiting requests, in arrival order (preempted ones were put back in front)."""
+        cfg = self.config
+        j = 0  # skips only requests preempted with their last token in flight
+        while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[j]
+            if request.reaches_length_in_flight:
+                j += 1  # finishes when its token arrives: recomputing it would be wasted
+                continue
+            hit_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
                     break
-                del self.waiting[j]
-                if request.status == RequestStatus.WAITING:
-                    request.num_cached_tokens = num_hit_tokens
-                request.num_computed_tokens = num_hit_tokens
-                request.status = RequestStatus.RUNNING
-                if request.timeline.first_scheduled is None:
-                    request.timeline.first_scheduled = now
-                self.running.append(request)
-                scheduled[request.request_id] = num_new
-                budget -= num_new
-
-        for request in self.running:
-            num_new = scheduled.get(request.request_id)
-            if num_new is not None:
-                out.requests.append(self._scheduled_request(request, num_new))
-                request.timeline.last_progress = now
-        return out
+                num_new = budget
+            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            del self.waiting[j]
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            if request.timeline.first_scheduled is None:
+                request.timeline.first_scheduled = now
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
 
     def _trim_drafts(self, request: Request, room: int) -> int:
         """Keeps at most `room` drafts, and no more than max_tokens leaves room for (n drafts
@@ -230,74 +240,64 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
 
-    def update(
-        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, elapsed: float
-    ) -> list[Request]:
-        """Advances computed counts, appends sampled tokens, finishes requests on stop tokens or
-        length. Returns the requests that received tokens (finished ones included)."""
-        self._charge(sched_out, elapsed)
-        now = time.monotonic()
-        updated: list[Request] = []
+    # ---- after a step is launched, and when its tokens arrive ------------------------------
+
+    def after_launch(self, sched_out: SchedulerOutput) -> dict[str, Request]:
+        """Advances the counts of a launched step whose tokens are not known yet: its tokens
+        are computed (drafts only once accepted) and each sampling request has one token in
+        flight. Returns the requests that sample in it, by id."""
+        sampled: dict[str, Request] = {}
+        for scheduled in sched_out.requests:
+            request = self.requests[scheduled.request_id]
+            request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_spec_tokens
+            if scheduled.sampling is not None:
+                request.num_pending_tokens += 1
+                sampled[scheduled.request_id] = request
+        return sampled
+
+    def undo_launch(self, sched_out: SchedulerOutput, sampled: dict[str, Request]) -> None:
+        """Takes back `after_launch` for a step that failed before its tokens arrived (the
+        requests still live are scheduled again, or retried alone)."""
         for scheduled in sched_out.requests:
             request = self.requests.get(scheduled.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None:
                 continue
-            new_tokens = runner_out.sampled_token_ids.get(request.request_id)
-            num_spec = scheduled.num_spec_tokens
-            # Rejected drafts' KV is not computed: only the anchor and accepted drafts count.
-            num_accepted = min(len(new_tokens) - 1, num_spec) if new_tokens and num_spec else 0
-            request.num_computed_tokens += scheduled.num_new_tokens - num_spec + num_accepted
+            request.num_computed_tokens -= scheduled.num_new_tokens - scheduled.num_spec_tokens
+            if scheduled.request_id in sampled:
+                request.num_pending_tokens -= 1
+
+    def append(
+        self,
+        sched_out: SchedulerOutput,
+        sampled: dict[str, Request],
+        runner_out: RunnerOutput,
+        elapsed: float,
+    ) -> list[Request]:
+        """Appends a launched step's tokens once they reached the host: counts the accepted
+        drafts, finishes requests on stop tokens or length. `sampled`: `after_launch`'s
+        requests; one that finished (or was aborted) since is skipped and its tokens dropped.
+        Returns the requests that received tokens (finished ones included)."""
+        self._charge(sched_out, elapsed)
+        now = time.monotonic()
+        scheduled_by_id = {r.request_id: r for r in sched_out.requests}
+        updated: list[Request] = []
+        for rid, new_tokens in runner_out.sampled_token_ids.items():
+            request = sampled[rid]
+            if self.requests.get(rid) is not request:
+                continue  # finished while its tokens were in flight (a new request may reuse the id)
+            request.num_pending_tokens -= 1
+            num_spec = scheduled_by_id[rid].num_spec_tokens
             if num_spec:
+                # Rejected drafts' KV is not computed: only the accepted drafts count.
+                num_accepted = min(len(new_tokens) - 1, num_spec)
+                request.num_computed_tokens += num_accepted
                 request.clear_drafts()  # consumed; the proposer gives the next ones
                 self.num_draft_tokens += num_spec
                 self.num_accepted_tokens += num_accepted
-                self.num_verify_rows += 1 if new_tokens else 0
-                self.num_verified_emitted += len(new_tokens) if new_tokens else 0
-            if not new_tokens:
-                continue
-            logprobs = runner_out.logprobs.get(request.request_id) or [None] * len(new_tokens)
+                self.num_verify_rows += 1
+                self.num_verified_emitted += len(new_tokens)
+            logprobs = runner_out.logprobs.get(rid) or [None] * len(new_tokens)
             request.append_tokens(new_tokens, logprobs)
-            timeline = _note_tokens(request, now)
-            updated.append(request)
-            if request.finished:
-                self.running.remove(request)
-                del self.requests[request.request_id]
-                self.kv_cache.free(request)
-                timeline.finished = now
-        return updated
-
-    # ---- async scheduling -----------------------------------------------------------------
-
-    def after_launch(self, sched_out: SchedulerOutput) -> None:
-        """Advances the counts of a launched step whose tokens are still in flight."""
-        for scheduled in sched_out.requests:
-            request = self.requests[scheduled.request_id]
-            request.num_computed_tokens += scheduled.num_new_tokens
-            if scheduled.sampling is not None:
-                request.num_pending_tokens += 1
-
-    def resolve(
-        self,
-        sampled: dict[str, Request],
-        runner_out: ModelRunnerOutput,
-        sched_out: SchedulerOutput,
-        elapsed: float,
-    ) -> list[Request]:
-        """Appends a launched step's tokens once they reached the host; finishes requests on stop
-        tokens or length. `sampled`: the requests that sampled in that step, as launched. A
-        request that finished (or was aborted) since is skipped: its token is discarded.
-        Returns the requests that received a token (finished ones included)."""
-        self._charge(sched_out, elapsed)
-        now = time.monotonic()
-        updated: list[Request] = []
-        for rid, [token] in runner_out.sampled_token_ids.items():
-            request = sampled[rid]
-            if self.requests.get(rid) is not request:
-                continue  # finished while its token was in flight (a new request may reuse the id)
-            request.num_pending_tokens -= 1
-            [lp] = runner_out.logprobs.get(rid) or [None]
-            request.append_token(token, lp)
-            request.check_stop_token()
             timeline = _note_tokens(request, now)
             updated.append(request)
             if request.finished:

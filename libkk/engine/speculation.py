@@ -1,4 +1,10 @@
-"""Adaptive verification in the engine: how many of each request's drafts the next step verifies.
+"""Speculative decoding in the engine: one `Speculation` object, built once from the config, owns
+the proposer, adaptive verification and (under tensor parallelism) the calls every rank makes;
+`NoSpeculation` stands in when speculation is off, so the engine checks nothing per feature.
+
+The engine calls it at fixed points: `after_step` once a step's tokens are appended (drafts for
+each request that goes on: the proposer's, cut by adaptive verification), `learn` while the
+device runs the next step, `drop` when a request ends or is preempted, `stats` for the session.
 
 With `adaptive_verification=True`, after the proposer drafts, `AdaptiveDrafts.trim` asks the
 `AdaptiveVerifier` (libkk/spec_decode/adaptive.py) for each request's draft count, from the draft
@@ -23,9 +29,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from libkk.engine.request import Request
+from libkk.config import EngineConfig
+from libkk.engine.request import Request, RequestStatus
+from libkk.engine.scheduler import Scheduler
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
-from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import RunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
@@ -90,7 +98,7 @@ class AdaptiveDrafts:
             if request.draft_logits is not None:
                 request.draft_logits = request.draft_logits[:n]
 
-    def observe(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+    def observe(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
         """Takes the verified and accepted draft counts of this step for the estimator; `learn`
         feeds them to it."""
         rows, verified, accepted = [], [], []
@@ -130,6 +138,170 @@ class AdaptiveDrafts:
 
     def forget(self, request_id: str) -> None:
         self._features.pop(request_id, None)
+
+
+class Speculation:
+    """The engine's one speculative-decoding component (see the module docstring)."""
+
+    def __init__(
+        self,
+        proposer: Proposer,
+        adaptive: AdaptiveDrafts | None,
+        *,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.proposer = proposer
+        self.adaptive = adaptive
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def after_step(
+        self,
+        sched_out: SchedulerOutput,
+        runner_out: RunnerOutput,
+        updated: list[Request],
+        live: dict[str, Request],
+    ) -> None:
+        """Drafts for the next step of every request that sampled and goes on. `live`: the
+        scheduler's unfinished requests."""
+        for rid in sched_out.preempted_request_ids:
+            self.drop(rid)
+        if self.adaptive is not None:
+            self.adaptive.observe(sched_out, runner_out)
+        for rid, (start, hidden) in runner_out.aux_hidden.items():
+            request = live.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.proposer.add_context(rid, start, hidden)
+        asks: list[tuple[Request, ProposeRequest]] = []
+        for request in updated:
+            if request.finished:
+                self.drop(request.request_id)
+                continue
+            max_drafts = min(
+                self.num_speculative_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if max_drafts > 0:
+                # The live token list, not a copy (O(length) per request and step): proposers
+                # read it during the call only.
+                ask = ProposeRequest(
+                    request.request_id, request.all_token_ids, request.sampling_row(), max_drafts
+                )
+                asks.append((request, ask))
+        if asks:
+            self._take_drafts(asks)
+
+    def _take_drafts(self, asks: list[tuple[Request, ProposeRequest]]) -> None:
+        proposal = self.proposer.propose([ask for _, ask in asks])
+        for (request, ask), drafts, logits in zip(
+            asks, proposal.token_ids, proposal.draft_logits, strict=True
+        ):
+            drafts = [int(t) for t in drafts[: ask.max_drafts]]
+            if not drafts or any(not 0 <= t < self.vocab_size for t in drafts):
+                request.clear_drafts()
+                continue
+            request.spec_token_ids = drafts
+            request.draft_logits = None if logits is None else logits[: len(drafts)]
+        if self.adaptive is not None:
+            self.adaptive.trim([request for request, _ in asks])
+
+    def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        """A step's wall time, schedule to proposal (adaptive verification's overhead)."""
+        if self.adaptive is not None:
+            self.adaptive.record_step(sched_out, seconds)
+
+    def learn(self) -> None:
+        """What the last steps taught adaptive verification (while the device runs)."""
+        if self.adaptive is not None:
+            self.adaptive.learn()
+
+    def drop(self, request_id: str) -> None:
+        """Forgets a request's draft state (it finished or was preempted)."""
+        self.proposer.remove(request_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
+
+    def stats(self, scheduler: Scheduler) -> dict[str, int | float]:
+        """Drafts verified and accepted, and the mean acceptance length (tokens emitted per
+        request-step that verified drafts)."""
+        rows = scheduler.num_verify_rows
+        return {
+            "spec_num_draft_tokens": scheduler.num_draft_tokens,
+            "spec_num_accepted_tokens": scheduler.num_accepted_tokens,
+            "spec_num_verify_steps": rows,
+            "spec_mean_acceptance_length": (scheduler.num_verified_emitted / rows if rows else 0.0),
+        }
+
+
+class NoSpeculation(Speculation):
+    """Speculation off: every call does nothing."""
+
+    def __init__(self) -> None:
+        pass
+
+    def after_step(self, sched_out, runner_out, updated, live) -> None:  # noqa: ANN001
+        pass
+
+    def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        pass
+
+    def learn(self) -> None:
+        pass
+
+    def drop(self, request_id: str) -> None:
+        pass
+
+    def stats(self, scheduler: Scheduler) -> dict[str, int | float]:
+        return {}
+
+
+def build_speculation(
+    config: EngineConfig,
+    proposer: Proposer | None,
+    runner: ModelRunner,
+    *,
+    max_model_len: int,
+    hidden_size: int,
+    vocab_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Speculation:
+    """The engine's speculation for `config` (its proposer built by the rank; the cost profile
+    of adaptive verification runs here, on `runner`)."""
+    spec = config.speculative
+    if proposer is None:
+        return NoSpeculation()
+    adaptive = None
+    if spec.adaptive_verification:
+        cost = profile_costs(
+            runner,
+            proposer,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            block_size=config.cache.block_size,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            device=device,
+            dtype=dtype,
+        )
+        adaptive = AdaptiveDrafts(
+            cost,
+            spec.num_speculative_tokens,
+            autoregressive_sampling=(
+                spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
+            ),
+        )
+    return Speculation(
+        proposer,
+        adaptive,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+    )
 
 
 def _counts(limit: int) -> list[int]:

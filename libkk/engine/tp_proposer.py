@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from libkk.runtime.model_runner import ModelRunner
 from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
 
 if TYPE_CHECKING:
@@ -73,16 +72,6 @@ class TPProposer(Proposer):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.proposer, name)
-
-
-def link_vocab_parallel(runner: ModelRunner | None, proposer: Proposer) -> None:
-    """A proposer drafting from vocab shards keeps its shard of sampled drafts' logits: the
-    runner of the same rank verifies from those (every rank links alike)."""
-    if not getattr(proposer, "vocab_parallel", False):
-        return
-    if runner is None:
-        raise RuntimeError("link the vocab-parallel proposer after the runner is wrapped")
-    runner.use_vocab_parallel(proposer.shard_drafts)  # type: ignore[attr-defined]
 
 
 def apply_proposer_call(proposer: Proposer, call: tuple, hidden: torch.Tensor | None) -> Any:

@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)  # [N, vocab / tp] under tensor parallelism
         if get_tp_size() == 1:
             return logits
-        # NOTE: every rank gathers the full vocabulary for now (rank 0 samples from it).
+        # NOTE: every rank gathers the full vocabulary (every rank samples the same tokens).
         return all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64

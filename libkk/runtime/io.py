@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from libkk.sample.sampler import SamplingRow, TokenLogprobs
+from libkk.sample.sampler import LogprobTensors, SamplingRow, TokenLogprobs
 
 # Stands in a ScheduledRequest's token_ids for a token the previous step has sampled but the host
 # does not know yet (async scheduling); the runner replaces it on the device before the forward.
@@ -65,7 +65,7 @@ class SchedulerOutput:
 
 
 @dataclass
-class ModelRunnerOutput:
+class RunnerOutput:
     # Tokens sampled per request this step: one, or with n drafts the accepted drafts then one
     # target token (1 .. n + 1 tokens).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -77,75 +77,68 @@ class ModelRunnerOutput:
 
 
 @dataclass
-class LogprobTensors:
-    """Logprobs of the sampled tokens for the sampling rows that ask for them, as tensors (on the
-    device until copied): built into TokenLogprobs once on the host."""
-
-    rows: list[int]  # the sampling rows that asked, in order
-    num_top: list[int]  # how many top entries each of them asked for
-    sampled: torch.Tensor  # [W] fp32, the sampled token's logprob
-    rank: torch.Tensor  # [W] int64, 1 + the tokens strictly more likely
-    top_logprobs: torch.Tensor  # [W, n] fp32, best first (n = max(num_top))
-    top_ids: torch.Tensor  # [W, n] int64
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> LogprobTensors:
-        """A copy whose tensors live on `device` (pinned memory for an asynchronous copy to the
-        host of CUDA tensors)."""
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if not (non_blocking and t.is_cuda):
-                return t.to(device)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        return LogprobTensors(
-            self.rows,
-            self.num_top,
-            move(self.sampled),
-            move(self.rank),
-            move(self.top_logprobs),
-            move(self.top_ids),
-        )
-
-    def build(self, token_ids: list[int], num_rows: int) -> list[TokenLogprobs | None]:
-        """One entry per sampling row (None for rows that did not ask); host tensors only."""
-        result: list[TokenLogprobs | None] = [None] * num_rows
-        sampled, rank = self.sampled.tolist(), self.rank.tolist()
-        top_lp, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
-        for j, (i, n) in enumerate(zip(self.rows, self.num_top, strict=True)):
-            result[i] = TokenLogprobs(
-                token_id=token_ids[i],
-                logprob=sampled[j],
-                rank=rank[j],
-                top=list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
-            )
-        return result
-
-
-@dataclass
 class LaunchedStep:
-    """A step enqueued on the device whose sampled ids are on their way to the host (async
-    scheduling). `wait` blocks until they arrive. Not plain data: it stays in this process."""
+    """A step enqueued on the device, its sampled tokens on their way to the host; `wait`
+    blocks until they arrive and hands them out per request. Not plain data: it stays in this
+    process.
 
-    # The requests that sample this step, in the order of `token_ids`.
+    Tokens are laid out [S, W]: one row per sampling request (in `request_ids` order), its
+    tokens first (the accepted drafts then one target token), -1 after them; W = 1 when no
+    request verifies drafts. Logprobs are of the S * W slots, row-major.
+    """
+
+    sched: SchedulerOutput
     request_ids: list[str]
-    # [num_sampling_requests] int64 on the host (pinned on CUDA), valid once `copied` completed.
-    token_ids: torch.Tensor
+    # [S, W] int64 on the host (pinned on CUDA), valid once `copied` completed.
+    tokens: torch.Tensor
     # Recorded after the device->host copies; None when the copies are already complete (CPU).
     copied: torch.cuda.Event | None
-    # On the host like token_ids; None when no row asked for logprobs.
+    # On the host like tokens; None when no request asked for logprobs.
     logprobs: LogprobTensors | None = None
+    # [num_tokens, len(ids) * hidden] on the device, the step's aux hidden states (else None).
+    aux: torch.Tensor | None = None
+    # Each scheduled request's first row in the batch (query_start_loc), for `aux`.
+    query_starts: list[int] = field(default_factory=list)
 
-    def wait(self) -> ModelRunnerOutput:
+    def wait(self) -> RunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
-        token_ids = self.token_ids.tolist()
-        num_rows = len(token_ids)
-        logprobs = (
-            [None] * num_rows if self.logprobs is None else self.logprobs.build(token_ids, num_rows)
-        )
-        out = ModelRunnerOutput()
-        for rid, token, lp in zip(self.request_ids, token_ids, logprobs, strict=True):
-            out.sampled_token_ids[rid] = [token]
-            out.logprobs[rid] = [lp]
+        out = RunnerOutput()
+        rows = token_rows(self.tokens, self.logprobs)
+        for rid, (tokens, logprobs) in zip(self.request_ids, rows, strict=True):
+            out.sampled_token_ids[rid] = tokens
+            out.logprobs[rid] = logprobs
+        if self.aux is not None:
+            self._collect_aux_hidden(out)
         return out
+
+    def _collect_aux_hidden(self, out: RunnerOutput) -> None:
+        """Hidden states of the rows whose KV is final after this step, per request."""
+        assert self.aux is not None
+        for r, start in zip(self.sched.requests, self.query_starts, strict=False):
+            num_final = r.num_new_tokens - r.num_spec_tokens
+            sampled = out.sampled_token_ids.get(r.request_id)
+            if r.num_spec_tokens and sampled:
+                num_final += len(sampled) - 1  # the accepted drafts
+            out.aux_hidden[r.request_id] = (
+                r.num_computed_tokens,
+                self.aux[start : start + num_final],
+            )
+
+
+def token_rows(
+    tokens: torch.Tensor, logprobs: LogprobTensors | None
+) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+    """Per row of `tokens` [R, W] (each row's tokens, then -1): its tokens and their logprobs
+    (of the R * W slots, row-major; None where none were asked). Reads the tensors on the host."""
+    rows = tokens.tolist()
+    width = tokens.shape[1]
+    slots = len(rows) * width
+    lps: list[TokenLogprobs | None] = (
+        [None] * slots if logprobs is None else logprobs.build([t for r in rows for t in r], slots)
+    )
+    result = []
+    for i, row in enumerate(rows):
+        n = row.index(-1) if -1 in row else len(row)
+        result.append((row[:n], lps[i * width : i * width + n]))
+    return result

@@ -16,9 +16,11 @@ Outputs differ from the target's under it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +28,15 @@ from torch import Tensor
 
 from libkk.layers.embedding import merge_shard_argmax, shard_argmax_stats
 from libkk.runtime.input_batch import host_to_device
-from libkk.runtime.io import ScheduledRequest
-from libkk.sample.gumbel import gumbel_argmax, keyed_uniform_at
-from libkk.sample.rejection import ACCEPT_POSITION_SALT, rejection_sample
-from libkk.sample.sampler import SamplingRow, TokenLogprobs, _logprobs
+from libkk.runtime.io import ScheduledRequest, token_rows
+from libkk.sample.gumbel import gumbel_argmax
+from libkk.sample.rejection import (
+    acceptance_uniforms,
+    accepted_output,
+    accepted_prefix,
+    rejection_sample,
+)
+from libkk.sample.sampler import LogprobTensors, SamplingRow, TokenLogprobs, logprob_tensors
 from libkk.spec_decode.logits import position_rows, process_logits
 from libkk.spec_decode.vocab_parallel import (
     Gather,
@@ -44,9 +51,9 @@ def verify(
     requests: Sequence[ScheduledRequest],
     *,
     synthetic_rates: Sequence[float] | None = None,
-) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
-    """Per request: the accepted drafts then one target token, with their logprobs (None where
-    the request asked for none)."""
+) -> VerifiedTokens:
+    """Per request: the accepted drafts then one target token, with their logprobs where the
+    request asks for them; nothing is read back from the device."""
     device = logits[0].device
     k = max(r.num_spec_tokens for r in requests)
     vocab = logits[0].shape[-1]
@@ -91,19 +98,48 @@ def verify(
             check_ranges=False,  # built here: num_draft <= K, temperatures 0 or 1
         )
 
-    results: list[tuple[list[int], list[TokenLogprobs | None]]] = []
-    for i, (r, row) in enumerate(zip(requests, out.tolist(), strict=True)):
-        # the accepted drafts, one target token, then -1 padding
-        tokens = row[: row.index(-1)] if -1 in row else row
-        lps: list[TokenLogprobs | None] = [None] * len(tokens)
-        if r.sampling.params.logprobs is not None:  # type: ignore[union-attr]
-            lps = _logprobs(
-                logits[i][: len(tokens)],
-                torch.tensor(tokens, dtype=torch.int64, device=device),
-                rows[i][: len(tokens)],
-            )
-        results.append((tokens, lps))
-    return results
+    return VerifiedTokens(out, _verify_logprobs(logits, out, requests, rows))
+
+
+@dataclass
+class VerifiedTokens:
+    """Verification's result, on the device: per request its accepted drafts then one target
+    token, -1 after them."""
+
+    tokens: Tensor  # [R, K+1] int64
+    # Logprobs of the R * (K+1) token slots, row-major (None when no request asked).
+    logprobs: LogprobTensors | None = None
+
+    def to_host(self) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Per request: its tokens and their logprobs (None where it asked for none)."""
+        return token_rows(self.tokens, self.logprobs)
+
+
+def _verify_logprobs(
+    logits: Sequence[Tensor],
+    out: Tensor,  # [R, K+1]
+    requests: Sequence[ScheduledRequest],
+    rows: list[list[SamplingRow]],
+) -> LogprobTensors | None:
+    """Logprobs of the raw target logits at every row of the requests that ask for them, of the
+    token in each slot (slots past a request's tokens hold -1: their entries are never read)."""
+    width = out.shape[1]
+    slots: list[int] = []
+    parts: list[Tensor] = []
+    slot_rows: list[SamplingRow] = []
+    for i, r in enumerate(requests):
+        if r.sampling.params.logprobs is None:  # type: ignore[union-attr]
+            continue
+        n = r.num_spec_tokens + 1
+        parts.append(logits[i][:n])
+        slot_rows.extend(rows[i][:n])
+        slots.extend(range(i * width, i * width + n))
+    if not slots:
+        return None
+    index = host_to_device(torch.tensor(slots, dtype=torch.int64), out.device)
+    lp = logprob_tensors(torch.cat(parts), out.reshape(-1)[index], slot_rows)
+    assert lp is not None
+    return dataclasses.replace(lp, rows=[slots[j] for j in lp.rows])
 
 
 def _step_inputs(
@@ -153,9 +189,9 @@ def verify_from_shards(
     vocab_start: int,
     shard_drafts: Mapping[str, ShardDrafts],
     gather: Gather,
-) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+) -> VerifiedTokens:
     """`verify` from vocab shards (requests must pass `shards_cover`): per request the accepted
-    drafts then one target token, logprobs None. q of a request's drafts is its entry in
+    drafts then one target token, no logprobs. q of a request's drafts is its entry in
     `shard_drafts` (this rank's shard of sampled drafts), one-hot where it has none."""
     device = logits[0].device
     size = logits[0].shape[-1]
@@ -216,12 +252,10 @@ def verify_from_shards(
     return _accepted_tokens(out, num_accepted)
 
 
-def _accepted_tokens(
-    out: Tensor, num_accepted: Tensor
-) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
-    """Per row: the accepted drafts and the final token of `out`, no logprobs."""
-    out_l, accepted = out.tolist(), num_accepted.tolist()
-    return [(row[: n + 1], [None] * (n + 1)) for row, n in zip(out_l, accepted, strict=True)]
+def _accepted_tokens(out: Tensor, num_accepted: Tensor) -> VerifiedTokens:
+    """Per row: the accepted drafts and the final token of `out` [R, K+1], -1 after them."""
+    steps = torch.arange(out.shape[1], device=out.device)
+    return VerifiedTokens(torch.where(steps[None, :] <= num_accepted[:, None], out, -1))
 
 
 def _draft_probs(
@@ -269,16 +303,10 @@ def _concat_rows(logits: Sequence[Tensor]) -> Tensor:
 def _accept_argmax(argmax: Tensor, drafts: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor]:
     """Accept drafts while they equal the target's argmax [R, K+1] (ties to the lowest id);
     then the argmax at the first rejection.  # [R, K+1], [R]"""
-    num_rows, k1 = argmax.shape
-    k = k1 - 1
-    steps = torch.arange(k, device=argmax.device)
-    accept = (argmax[:, :k] == drafts) & (steps[None, :] < num_draft[:, None])  # [R, K]
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
-    out = torch.where(steps[None, :] < num_accepted[:, None], drafts, -1)
-    out = torch.cat([out, torch.full_like(out[:, :1], -1)], dim=1)  # [R, K+1]
-    rows = torch.arange(num_rows, device=argmax.device)
-    out[rows, num_accepted] = argmax[rows, num_accepted]
-    return out, num_accepted
+    k = argmax.shape[1] - 1
+    num_accepted = accepted_prefix(argmax[:, :k] == drafts, num_draft)  # [R]
+    rows = torch.arange(argmax.shape[0], device=argmax.device)
+    return accepted_output(drafts, num_accepted, argmax[rows, num_accepted]), num_accepted
 
 
 def _synthetic(
@@ -294,16 +322,10 @@ def _synthetic(
     num_rows, k1 = index.shape
     k = k1 - 1
     device = processed.device
-    steps = torch.arange(k, device=device)
     per_pos = [rates[min(j, len(rates) - 1)] for j in range(k)]
     rate = host_to_device(torch.tensor(per_pos, dtype=torch.float32), device)  # [K]
-    u = keyed_uniform_at(
-        seeds.repeat_interleave(k),
-        (positions[:, None] + steps[None, :] + ACCEPT_POSITION_SALT).reshape(-1),
-        drafts.reshape(-1),
-    ).view(num_rows, k)
-    accept = (u < rate[None, :]) & (steps[None, :] < num_draft[:, None])  # [R, K]
-    num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # [R]
+    u = acceptance_uniforms(seeds, positions, drafts)  # [R, K]
+    num_accepted = accepted_prefix(u < rate[None, :], num_draft)  # [R]
     rows = torch.arange(num_rows, device=device)
     final_logits = processed[index[rows, num_accepted]]  # [R, V]
     final = final_logits.argmax(dim=-1)
@@ -311,7 +333,4 @@ def _synthetic(
     if random_rows:  # keyed noise only where a row samples
         idx = host_to_device(torch.tensor(random_rows), device)
         final[idx] = gumbel_argmax(final_logits[idx], seeds[idx], (positions + num_accepted)[idx])
-    out = torch.full((num_rows, k1), -1, dtype=torch.int64, device=device)
-    out[:, :k] = torch.where(steps[None, :] < num_accepted[:, None], drafts, -1)
-    out[rows, num_accepted] = final
-    return out, num_accepted
+    return accepted_output(drafts, num_accepted, final), num_accepted

@@ -66,37 +66,150 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask for logprobs
 
 
-class Sampler:
-    """Samples one token per row; works on CPU and CUDA logits of any float dtype."""
+@dataclass
+class LogprobTensors:
+    """Logprobs of the sampled tokens for the rows that ask for them, as tensors (on the device
+    until copied): built into TokenLogprobs once on the host."""
 
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        num_rows = logits.shape[0]  # logits [R, V]
+    rows: list[int]  # the rows that asked, in order
+    num_top: list[int]  # how many top entries each of them asked for
+    sampled: Tensor  # [W] fp32, the sampled token's logprob
+    rank: Tensor  # [W] int64, 1 + the tokens strictly more likely
+    top_logprobs: Tensor  # [W, n] fp32, best first (n = max(num_top))
+    top_ids: Tensor  # [W, n] int64
+
+    def to_host(self, non_blocking: bool = False) -> LogprobTensors:
+        """A copy on the host (pinned memory, copied asynchronously, for CUDA tensors when
+        `non_blocking`: valid once the copying stream got there)."""
+        return LogprobTensors(
+            self.rows,
+            self.num_top,
+            *(
+                _to_host(t, non_blocking)
+                for t in (self.sampled, self.rank, self.top_logprobs, self.top_ids)
+            ),
+        )
+
+    def build(self, token_ids: Sequence[int], num_rows: int) -> list[TokenLogprobs | None]:
+        """One entry per row (None for rows that did not ask); reads the tensors on the host."""
+        result: list[TokenLogprobs | None] = [None] * num_rows
+        sampled, rank = self.sampled.tolist(), self.rank.tolist()
+        top_lp, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+        for j, (i, n) in enumerate(zip(self.rows, self.num_top, strict=True)):
+            result[i] = TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=sampled[j],
+                rank=rank[j],
+                top=list(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
+            )
+        return result
+
+
+@dataclass
+class SampledTokens:
+    """One step's sampled tokens, left where they were sampled (the device)."""
+
+    token_ids: Tensor  # [R] int64
+    logprobs: LogprobTensors | None  # None when no row asks
+
+    def to_host(self) -> SamplerOutput:
+        """The tokens and logprobs as host lists (waits for the device)."""
+        token_ids = self.token_ids.tolist()
+        num_rows = len(token_ids)
+        logprobs = (
+            [None] * num_rows if self.logprobs is None else self.logprobs.build(token_ids, num_rows)
+        )
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+class Sampler:
+    """Samples one token per row; works on CPU and CUDA logits of any float dtype.
+
+    `sample` leaves its results on the device and reads nothing back except where a filter
+    needs it (rows with top-k or top-p whose cut falls past the first candidates); calling the
+    sampler gives the same tokens as host lists.
+    """
+
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SampledTokens:
+        num_rows, vocab_size = logits.shape  # logits [R, V]
         if len(rows) != num_rows:
             raise ValueError(f"got {len(rows)} sampling rows for {num_rows} rows of logits")
         device = logits.device
         x = logits.float()
         x = apply_penalties(x, rows, inplace=x is not logits)  # [R, V]
-
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random_rows) < num_rows:
             token_ids = x.argmax(dim=-1)  # [R]; ties go to the lowest id
-        if random_rows:
-            picked = [rows[i] for i in random_rows]
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+        # NOTE: rows without top-k, top-p or min-p take the keyed Gumbel-max of their scaled
+        # logits directly; the filter path may read device values on the host. Rows are
+        # independent, so the split changes no row's token.
+        filtered = [i for i in random_rows if _filters(rows[i].params, vocab_size)]
+        unfiltered = [i for i in random_rows if not _filters(rows[i].params, vocab_size)]
+        for group, sample in ((unfiltered, _sample_unfiltered), (filtered, sample_random)):
+            if not group:
+                continue
+            picked = [rows[i] for i in group]
+            seeds = _host_ints([row.seed for row in picked], device)
+            positions = _host_ints([row.position for row in picked], device)
             params = [row.params for row in picked]
-            seeds = torch.tensor([row.seed for row in picked], dtype=torch.int64, device=device)
-            positions = torch.tensor(
-                [row.position for row in picked], dtype=torch.int64, device=device
-            )
-            if len(random_rows) == num_rows:
-                # sample_random works in place: never on the caller's tensor.
-                xr = x.clone() if x is logits else x
-                token_ids = sample_random(xr, params, seeds, positions)
+            if len(group) == num_rows:
+                xr = x.clone() if x is logits else x  # sampling works in place
+                token_ids = sample(xr, params, seeds, positions)
             else:
-                idx = torch.tensor(random_rows, device=device)
-                token_ids[idx] = sample_random(x[idx], params, seeds, positions)
+                token_ids[_host_ints(group, device)] = sample(
+                    x[_host_ints(group, device)], params, seeds, positions
+                )
+        return SampledTokens(token_ids, logprob_tensors(logits, token_ids, rows))
 
-        logprobs = _logprobs(logits, token_ids, rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a random row has top-k, top-p or min-p."""
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _sample_unfiltered(
+    logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor, positions: Tensor
+) -> Tensor:
+    """Temperature, then the keyed Gumbel-max, for rows with no filter; modifies logits."""
+    _apply_temperature(logits, params)
+    return gumbel_argmax(logits, seeds, positions)
+
+
+def logprob_tensors(
+    logits: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow]
+) -> LogprobTensors | None:
+    """Logprobs of the raw logits [R, V] for the rows that ask for them, as device tensors;
+    None when no row asks. token_ids [R] may hold -1 for rows with no token (never read)."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return None
+    idx = _host_ints(wanted, logits.device)
+    lp = logits[idx].float().log_softmax(dim=-1)  # [W, V]
+    sampled = lp.gather(1, token_ids[idx].clamp(min=0)[:, None])  # [W, 1]
+    rank = (lp > sampled).sum(dim=-1) + 1  # [W]
+    num_top = [rows[i].params.logprobs or 0 for i in wanted]
+    top_lp, top_ids = lp.topk(min(max(num_top), lp.shape[1]), dim=-1)  # [W, n], best first
+    return LogprobTensors(wanted, num_top, sampled[:, 0], rank, top_lp, top_ids)
+
+
+def _host_ints(values: Sequence[int], device: torch.device) -> Tensor:
+    """A host int64 list on `device` (through pinned memory on CUDA: no wait for the copy)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(t: Tensor, non_blocking: bool) -> Tensor:
+    if not (non_blocking and t.is_cuda):
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow], inplace: bool = False) -> Tensor:
@@ -335,31 +448,3 @@ def _unique_pairs(
     list_idx, tokens = _scatter_index(token_lists, device)
     keys, counts = torch.unique(list_idx * vocab_size + tokens, return_counts=True)
     return keys // vocab_size, keys % vocab_size, counts
-
-
-def _logprobs(
-    logits: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow]
-) -> list[TokenLogprobs | None]:
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    idx = torch.tensor(wanted, device=logits.device)
-    lp = logits[idx].float().log_softmax(dim=-1)  # [Rl, V] raw logprobs
-    sampled = token_ids[idx]  # [Rl]
-    sampled_lp = lp.gather(1, sampled[:, None])  # [Rl, 1]
-    rank = (lp > sampled_lp).sum(dim=-1) + 1  # [Rl]
-    n_top = min(max(rows[i].params.logprobs or 0 for i in wanted), lp.shape[1])
-    top_lp, top_ids = lp.topk(n_top, dim=-1)  # [Rl, n_top], best first
-    # Host copies once per field, not once per row.
-    sampled_l, sampled_lp_l, rank_l = sampled.tolist(), sampled_lp[:, 0].tolist(), rank.tolist()
-    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs or 0
-        result[i] = TokenLogprobs(
-            token_id=sampled_l[j],
-            logprob=sampled_lp_l[j],
-            rank=rank_l[j],
-            top=list(zip(top_ids_l[j][:n], top_lp_l[j][:n], strict=True)),
-        )
-    return result

@@ -22,6 +22,7 @@ from libkk.spec_decode.adaptive import MAX_PROFILED_REQUESTS
 if TYPE_CHECKING:
     from libkk.config import EngineConfig
     from libkk.spec_decode.base import Proposer
+    from libkk.spec_decode.vocab_parallel import ShardDrafts
 
 # method -> "module:factory". Factories in this module take (config, target_model, **context);
 # the DFlash proposer takes (config, target_model, device, dtype).
@@ -130,13 +131,17 @@ def build_proposer(
 
 @dataclass(frozen=True)
 class RunnerSpeculation:
-    """What the target's model runner needs for a proposer."""
+    """What the target's model runner needs to verify a proposer's drafts (the defaults: no
+    speculation)."""
 
     aux_layers: tuple[int, ...] = ()  # target layers whose hidden states each step returns
     query_lens: tuple[int, ...] = (1,)  # tokens per request of the captured graphs
     # Lengths between the shortest and the longest: graphs of up to this many requests only.
     middle_lens_max_size: int | None = None
     synthetic_rates: list[float] | None = None  # benchmarks: accept at these rates
+    # Vocab-parallel drafting: this rank's proposer's kept shards of sampled drafts' logits, by
+    # request; the runner then verifies from its vocabulary shard (every rank alike).
+    shard_drafts: dict[str, ShardDrafts] | None = None
 
 
 def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> RunnerSpeculation:
@@ -155,6 +160,7 @@ def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> Runne
         ),
         middle_lens_max_size=MAX_PROFILED_REQUESTS,
         synthetic_rates=spec.synthetic_acceptance_rates if synthetic else None,
+        shard_drafts=proposer.shard_drafts if getattr(proposer, "vocab_parallel", False) else None,
     )
 
 

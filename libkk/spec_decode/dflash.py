@@ -270,8 +270,36 @@ class DFlashProposer(Proposer):
         if not active:
             return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
 
-        # Each block row is its own length-1 query over (context + the whole block): attention
-        # with no causal mask inside the block, on the same paged backends as the target.
+        hidden = self._forward_blocks(active)  # [A * (1 + K), H]
+        # The MASK rows (all but each block's first) predict the tokens at their positions.
+        n_rows = hidden.shape[0]
+        keep = torch.arange(n_rows, device=self.device).view(-1, rows)[:, 1:].reshape(-1)
+        mask_hidden = hidden[keep].to(self.embedding.dtype)
+        num_active, k = len(active), rows - 1
+        temps = [self._shard_temperature(a[1]) for a in active]
+        full_logits: dict[int, torch.Tensor] = {}  # active index -> [K, vocab]
+        if self.vocab_head is None:
+            logits = self.target.compute_logits(mask_hidden).float().view(num_active, k, -1)
+            drafts = self._sample(logits, active)  # [A, K]
+            full_logits = dict(enumerate(logits))
+        elif all(t == 0.0 for t in temps):  # greedy drafts: one [rows, 2] gather
+            drafts = self.target.greedy_tokens(mask_hidden).view(num_active, k).cpu()
+        else:
+            drafts, full_logits = self._draft_from_shards(mask_hidden, active, temps)
+        for j, (i, _, _, n, _) in enumerate(active):
+            token_ids[i] = drafts[j, :n].tolist()
+            if self._samples(requests[i]) and j in full_logits:
+                draft_logits[i] = full_logits[j][:n]
+        return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
+
+    def _forward_blocks(self, active: list) -> torch.Tensor:
+        """The drafter over each active request's block [anchor, MASK x K] at its positions,
+        context K/V from its paged cache.  # [A * (1 + K), H]
+
+        Each block row is its own length-1 query over (context + the whole block): attention
+        with no causal mask inside the block, on the same paged backends as the target."""
+        cfg = self.config
+        rows = cfg.block_size  # anchor + K masks
         input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         width = max(len(s.blocks) for *_, s in active)
         for _, r, anchor, _, state in active:
@@ -313,26 +341,7 @@ class DFlashProposer(Proposer):
             embeds = self.embed_module(ids).to(self.dtype)  # [n_rows, H]
         else:
             embeds = F.embedding(ids, self.embedding).to(self.dtype)
-        hidden = self.drafter.forward_block(embeds, pos, attend)  # [n_rows, H]
-        # The MASK rows (all but each block's first) predict the tokens at their positions.
-        keep = torch.arange(n_rows, device=dev).view(-1, rows)[:, 1:].reshape(-1)
-        mask_hidden = hidden[keep].to(self.embedding.dtype)
-        num_active, k = len(active), rows - 1
-        temps = [self._shard_temperature(a[1]) for a in active]
-        full_logits: dict[int, torch.Tensor] = {}  # active index -> [K, vocab]
-        if self.vocab_head is None:
-            logits = self.target.compute_logits(mask_hidden).float().view(num_active, k, -1)
-            drafts = self._sample(logits, active)  # [A, K]
-            full_logits = dict(enumerate(logits))
-        elif all(t == 0.0 for t in temps):  # greedy drafts: one [rows, 2] gather
-            drafts = self.target.greedy_tokens(mask_hidden).view(num_active, k).cpu()
-        else:
-            drafts, full_logits = self._draft_from_shards(mask_hidden, active, temps)
-        for j, (i, _, _, n, _) in enumerate(active):
-            token_ids[i] = drafts[j, :n].tolist()
-            if self._samples(requests[i]) and j in full_logits:
-                draft_logits[i] = full_logits[j][:n]
-        return DraftProposal(token_ids=token_ids, draft_logits=draft_logits)
+        return self.drafter.forward_block(embeds, pos, attend)  # [n_rows, H]
 
     def _shard_temperature(self, r: ProposeRequest) -> float | None:
         """The temperature a request's drafts take from vocab shards (0: the argmax), or None

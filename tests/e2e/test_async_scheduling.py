@@ -222,24 +222,25 @@ def test_failed_request_is_isolated(tiny_llama_dir, reference):
 
 
 def test_launch_comes_before_the_previous_steps_tokens(tiny_llama_dir):
-    """The order of launch(k) and resolve(k-1), and that step k's input is the in-flight token."""
+    """The order of launch(k) and append(k-1) (the tokens resolved), and that step k's input is
+    the in-flight token."""
     with Session(str(tiny_llama_dir), async_scheduling=True) as s:
         engine = s.engine
         events: list[tuple[str, int]] = []
         launched: list[object] = []
-        launch, resolve = engine.runner.launch, engine.scheduler.resolve
+        launch, append = engine.runner.launch, engine.scheduler.append
 
         def record_launch(sched_out):
             launched.append(sched_out)
             events.append(("launch", len(launched)))
             return launch(sched_out)
 
-        def record_resolve(sampled, runner_out, sched_out, elapsed):
+        def record_append(sched_out, sampled, runner_out, elapsed):
             events.append(("resolve", next(i for i, o in enumerate(launched, 1) if o is sched_out)))
-            return resolve(sampled, runner_out, sched_out, elapsed)
+            return append(sched_out, sampled, runner_out, elapsed)
 
         engine.runner.launch = record_launch
-        engine.scheduler.resolve = record_resolve
+        engine.scheduler.append = record_append
         rid = s.submit("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         per_call = [len(s.step()) for _ in range(6)]
     # Prefill and 3 decodes: launch k before resolve k-1; the last is finished by a call with
@@ -363,13 +364,13 @@ def test_cuda_decode_launch_never_waits_for_the_device(tiny_qwen3_dir):
     assert all(o.finish_reason == "length" for o in outs)
 
 
-def test_device_sampling_matches_the_sampler():
-    """The runner's device-tensor sampling picks what Sampler picks, row for row, with the same
-    logprobs."""
+def test_device_sampling_matches_the_filter_path():
+    """The sampler's device tensors hold, row for row, what sending every random row through the
+    filter path (`sample_random`) picks: rows without top-k, top-p or min-p take the keyed
+    Gumbel-max directly, and that changes no token; logprobs are the raw logits' log-softmax."""
     import torch
 
-    from libkk.runtime.model_runner import logprob_tensors, sample_token_ids
-    from libkk.sample.sampler import Sampler, SamplingRow
+    from libkk.sample.sampler import Sampler, SamplingRow, apply_penalties, sample_random
 
     torch.manual_seed(0)
     logits = torch.randn(8, 300) * 3
@@ -394,17 +395,35 @@ def test_device_sampling_matches_the_sampler():
         )
         for i, p in enumerate(params)
     ]
-    sampled = Sampler()(logits.clone(), rows)
-    expected = sampled.token_ids
-    token_ids = sample_token_ids(logits.clone(), rows)
-    assert token_ids.tolist() == expected
-    logprobs = logprob_tensors(logits, token_ids, rows).build(expected, len(rows))
-    assert logprobs == sampled.logprobs
+
+    def filter_path(x: torch.Tensor, rows: list) -> list[int]:
+        x = apply_penalties(x.float().clone(), rows, inplace=True)
+        tokens = x.argmax(dim=-1)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random:
+            tokens[random] = sample_random(
+                x[random],
+                [rows[i].params for i in random],
+                torch.tensor([rows[i].seed for i in random]),
+                torch.tensor([rows[i].position for i in random]),
+            )
+        return tokens.tolist()
+
+    sampled = Sampler().sample(logits.clone(), rows)
+    expected = filter_path(logits, rows)
+    assert sampled.token_ids.tolist() == expected
+    logprobs = sampled.logprobs.build(expected, len(rows))
     assert [lp is not None for lp in logprobs] == [True, False, True, False, True] + [False] * 3
+    raw = logits.log_softmax(dim=-1)
+    for i, lp in enumerate(logprobs):
+        if lp is not None:
+            assert lp.token_id == expected[i]
+            assert lp.logprob == pytest.approx(raw[i, expected[i]].item(), abs=1e-5)
+            assert len(lp.top) == params[i].logprobs
     # Batches of one kind: greedy only, unfiltered random only, random only.
     for subset in ([0, 3, 5], [4, 6, 7], [1, 2, 4, 6, 7]):
-        got = sample_token_ids(logits[subset].clone(), [rows[i] for i in subset]).tolist()
-        assert got == [expected[i] for i in subset]
+        got = Sampler().sample(logits[subset].clone(), [rows[i] for i in subset]).token_ids
+        assert got.tolist() == [expected[i] for i in subset]
 
 
 # ---- the scheduler alone: a fake model whose token depends on (request, position) only ---------
@@ -439,7 +458,7 @@ def _simulate(requests, async_scheduling: bool, counts) -> dict:
     from libkk.cache.kv_cache_manager import KVCacheManager
     from libkk.config import SchedulerConfig
     from libkk.engine.scheduler import Scheduler
-    from libkk.runtime.io import ModelRunnerOutput
+    from libkk.runtime.io import RunnerOutput
 
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
     kv = KVCacheManager(num_blocks=20, block_size=4, enable_caching=True)
@@ -457,7 +476,7 @@ def _simulate(requests, async_scheduling: bool, counts) -> dict:
     s._preempt = counting_preempt
 
     def launch(out):
-        sampled = ModelRunnerOutput()
+        sampled = RunnerOutput()
         for r in out.requests:
             inputs = list(r.token_ids)
             if r.last_token_in_flight:
@@ -484,14 +503,15 @@ def _simulate(requests, async_scheduling: bool, counts) -> dict:
             assert async_scheduling and pending is not None, "stalled"
         else:
             result = launch(out)
+            sampled = s.after_launch(out)
+            assert sampled == {rid: by_id[rid] for rid in result.sampled_token_ids}
             if not async_scheduling:
-                s.update(out, result, 1.0)
+                s.append(out, sampled, result, 1.0)
                 continue
-            s.after_launch(out)
             in_flight = {rid: t for rid, [t] in result.sampled_token_ids.items()}
-            launched = (out, result, {rid: by_id[rid] for rid in result.sampled_token_ids})
+            launched = (out, result, sampled)
         if pending is not None:
-            s.resolve(pending[2], pending[1], pending[0], 1.0)
+            s.append(pending[0], pending[2], pending[1], 1.0)
         pending = None if out.empty else launched
     assert not s.num_unfinished and kv.num_free_blocks == 19
     # Requests that stopped while their next step was already launched: that token was dropped.

@@ -148,7 +148,7 @@ def test_failing_request_fails_alone(session, monkeypatch):
             raise RuntimeError("poisoned input")
         return real_forward(input_ids, positions)
 
-    monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(runner.step_backends.eager, "forward", forward)
     outs = session.generate([prompts[0], [poison, 7, 8], prompts[1], prompts[2]], GREEDY)
     assert outs[1].finish_reason == "error" and "poisoned input" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids, outs[3].token_ids] == expected

@@ -74,23 +74,31 @@ def test_submit_step_abort(session):
 
 def test_a_step_detokenizes_the_previous_steps_tokens_under_its_forward(session, monkeypatch):
     engine = session.engine
-    execute, detokenize = engine.runner.execute, engine.outputs.detokenize
-    in_execute = False
-    during: list[bool] = []  # per detokenization: whether a step's execute was running
+    launch, detokenize = engine.runner.launch, engine.outputs.detokenize
+    in_step = False
+    during: list[bool] = []  # per detokenization: whether a step was between launch and wait
 
-    def timed_execute(*args, **kwargs):
-        nonlocal in_execute
-        in_execute = True
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            in_execute = False
+    def timed_launch(*args, **kwargs):
+        nonlocal in_step
+        launched = launch(*args, **kwargs)
+        in_step = True
+        wait = launched.wait
+
+        def timed_wait():
+            nonlocal in_step
+            try:
+                return wait()
+            finally:
+                in_step = False
+
+        launched.wait = timed_wait
+        return launched
 
     def watched_detokenize(request):
-        during.append(in_execute)
+        during.append(in_step)
         return detokenize(request)
 
-    monkeypatch.setattr(engine.runner, "execute", timed_execute)
+    monkeypatch.setattr(engine.runner, "launch", timed_launch)
     monkeypatch.setattr(engine.outputs, "detokenize", watched_detokenize)
     outs = session.generate(["Hello there", "Goodbye"], GREEDY)
     assert [len(o.token_ids) for o in outs] == [16, 16]

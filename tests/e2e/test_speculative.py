@@ -397,7 +397,7 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
     plain_outs, plain = _run(tiny_llama_dir, PROMPTS, params, **settings)
     with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
                  adaptive_verification=True, **settings) as s:  # fmt: skip
-        adaptive = s.engine.adaptive
+        adaptive = s.engine.speculation.adaptive
         assert adaptive is not None
         cost = adaptive.verifier.cost
         assert len(cost.verify_points) > 1 and len(cost.draft_points) > 1  # profiled at start-up

@@ -36,10 +36,11 @@ def _generate(
         runner = s.engine.runner
         if mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             assert runner.graphs is not None and runner.graphs.graphs
+        backends = runner.step_backends
         if mode == "FULL":
-            assert runner.mixed_graphs is not None and runner.mixed_graphs.graphs
+            assert backends.mixed_graphs is not None and backends.mixed_graphs.graphs
         if "PIECEWISE" in mode:
-            assert runner.piecewise.pieces and all(p.graphs for p in runner.piecewise.pieces)
+            assert backends.piecewise.pieces and all(p.graphs for p in backends.piecewise.pieces)
         return [o.token_ids for o in s.generate(prompts, params)]
 
 
@@ -252,7 +253,7 @@ with Session(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=4, max_m
     print(json.dumps({"how": runner.compile_cache, "traces": len(traces),
                       "precompiled": getattr(runner.forward, "precompiled", None) is not None,
                       "tokens": out[0].token_ids, "phases": list(s.startup_seconds),
-                      "mixed graphs": len(runner.mixed_graphs.graphs)}))
+                      "mixed graphs": len(runner.step_backends.mixed_graphs.graphs)}))
 """
 
 

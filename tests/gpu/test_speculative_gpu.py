@@ -129,7 +129,7 @@ def test_adaptive_verification_graphs_and_their_costs(dirs):
         torch_compile=False, progress=False, method="ngram", num_speculative_tokens=4,
         adaptive_verification=True,
     ) as s:  # fmt: skip
-        runner, adaptive = s.engine.runner, s.engine.adaptive
+        runner, adaptive = s.engine.runner, s.engine.speculation.adaptive
         assert adaptive is not None
         shapes = runner.graph_shapes()
         assert sorted({q for _, q in shapes}) == [1, 2, 3, 4, 5]

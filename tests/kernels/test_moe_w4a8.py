@@ -18,6 +18,7 @@ from libkk.kernels.moe import dequant, w4a8
 from torch import nn
 
 import libkk.layers.quant_moe as Q
+from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
 from libkk.quant.checkpoint import quantize_tensor
 from libkk.quant.formats import e2m1_to_float, e8m0_to_float, unpack_e2m1
 
@@ -327,7 +328,12 @@ def test_rows_run_by_step_type(fmt, monkeypatch):
     assert (w4a8 - w4a16).abs().max().item() > 1e-3 * size  # the two paths are told apart
 
     op = torch.ops.libkk.packed_moe_by_row_type
-    for run in (layer, lambda *a: op(*a, layer.layer_key)):
+
+    def through_op(*args):  # as a compiled forward calls it: the layer found by its index
+        with set_forward_context(null_prefill_metadata(t, 16, x.device), layer):
+            return op(*args, layer.layer_key)
+
+    for run in (layer, through_op):
         assert torch.equal(run(x, weights, ids), w4a16)
         with Q.prefill_only_step():
             got = run(x, weights, ids)

@@ -391,54 +391,13 @@ def train_drafter(
     config = drafter_config_for(target, options, target_name)
     device = next(target.parameters()).device
 
-    corpus = Path(corpus_path) if corpus_path is not None else None
-    # KV blocks for a whole generation batch (and for the 4096-token hidden-state steps).
-    longest = max(len(p) for p in prompt_ids) + options.max_new_tokens + 1
-    num_blocks = max(512, options.gen_batch_size * -(-longest // 16) + 2, 4096 // 16 + 64)
-    with TargetRunner(target, config.target_layer_ids, num_blocks=num_blocks) as runner:
-        if corpus is not None and corpus.is_file():  # generated earlier: reuse it
-            saved = json.loads(corpus.read_text(encoding="utf-8"))
-            prompt_ids = [
-                s[:n] for s, n in zip(saved["sequences"], saved["prompt_lens"], strict=True)
-            ]
-            continuations = [
-                s[n:] for s, n in zip(saved["sequences"], saved["prompt_lens"], strict=True)
-            ]
-        else:
-            continuations = generate(
-                runner,
-                prompt_ids,
-                options.max_new_tokens,
-                stop_ids,
-                options.temperature,
-                options.seed,
-                options.gen_batch_size,
-                progress,
-            )
-        sequences = [p + c for p, c in zip(prompt_ids, continuations, strict=True)]
-        if corpus is not None and not corpus.is_file():
-            corpus.write_text(
-                json.dumps({"sequences": sequences, "prompt_lens": [len(p) for p in prompt_ids]}),
-                encoding="utf-8",
-            )
-        hidden = target_hidden_states(runner, sequences)
-    samples = [
-        Sample(seq, len(p), h) for seq, p, h in zip(sequences, prompt_ids, hidden, strict=True)
-    ]
-
-    drafter = init_drafter(
-        config, target if options.init_from_target else None, options.seed, device
+    prompt_ids, continuations, hidden = _distillation_corpus(
+        target, config, prompt_ids, options, stop_ids, corpus_path, progress
     )
-    if options.init_from is not None:  # continue from an earlier drafter of the same shape
-        with torch.no_grad():
-            earlier = load_drafter(options.init_from, device, torch.float32)
-            if earlier.config != config:
-                raise ConfigError(
-                    f"train-drafter: {options.init_from} has another shape or settings: "
-                    f"{earlier.config} vs {config}"
-                )
-            for p, q in zip(drafter.parameters(), earlier.parameters(), strict=True):
-                p.copy_(q)
+    samples = [
+        Sample(p + c, len(p), h) for p, c, h in zip(prompt_ids, continuations, hidden, strict=True)
+    ]
+    drafter = _initial_drafter(config, target, options, device)
     lm_head = target.lm_head.weight if hasattr(target, "lm_head") else find_embedding(target)
     trainer = DrafterTrainer(drafter, find_embedding(target), lm_head, options)
     trainer.set_corpus(samples)
@@ -467,3 +426,66 @@ def train_drafter(
         acceptance=acceptance,
         seconds=time.monotonic() - begin,
     )
+
+
+def _distillation_corpus(
+    target: nn.Module,
+    config: DFlashConfig,
+    prompt_ids: list[list[int]],
+    options: TrainOptions,
+    stop_ids: list[int],
+    corpus_path: str | Path | None,
+    progress: bool,
+) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """(prompts, the target's continuations, the hidden states of each whole sequence): the
+    continuations read from `corpus_path` if it exists, else generated (and written there)."""
+    corpus = Path(corpus_path) if corpus_path is not None else None
+    # KV blocks for a whole generation batch (and for the 4096-token hidden-state steps).
+    longest = max(len(p) for p in prompt_ids) + options.max_new_tokens + 1
+    num_blocks = max(512, options.gen_batch_size * -(-longest // 16) + 2, 4096 // 16 + 64)
+    with TargetRunner(target, config.target_layer_ids, num_blocks=num_blocks) as runner:
+        if corpus is not None and corpus.is_file():  # generated earlier: reuse it
+            saved = json.loads(corpus.read_text(encoding="utf-8"))
+            pairs = list(zip(saved["sequences"], saved["prompt_lens"], strict=True))
+            prompt_ids = [s[:n] for s, n in pairs]
+            continuations = [s[n:] for s, n in pairs]
+        else:
+            continuations = generate(
+                runner,
+                prompt_ids,
+                options.max_new_tokens,
+                stop_ids,
+                options.temperature,
+                options.seed,
+                options.gen_batch_size,
+                progress,
+            )
+        sequences = [p + c for p, c in zip(prompt_ids, continuations, strict=True)]
+        if corpus is not None and not corpus.is_file():
+            corpus.write_text(
+                json.dumps({"sequences": sequences, "prompt_lens": [len(p) for p in prompt_ids]}),
+                encoding="utf-8",
+            )
+        hidden = target_hidden_states(runner, sequences)
+    return prompt_ids, continuations, hidden
+
+
+def _initial_drafter(
+    config: DFlashConfig, target: nn.Module, options: TrainOptions, device: torch.device
+) -> DFlashDraftModel:
+    """A fresh drafter (from the target's layers with `init_from_target`), or continued from
+    `options.init_from`, an earlier drafter of the same shape."""
+    drafter = init_drafter(
+        config, target if options.init_from_target else None, options.seed, device
+    )
+    if options.init_from is not None:
+        with torch.no_grad():
+            earlier = load_drafter(options.init_from, device, torch.float32)
+            if earlier.config != config:
+                raise ConfigError(
+                    f"train-drafter: {options.init_from} has another shape or settings: "
+                    f"{earlier.config} vs {config}"
+                )
+            for p, q in zip(drafter.parameters(), earlier.parameters(), strict=True):
+                p.copy_(q)
+    return drafter

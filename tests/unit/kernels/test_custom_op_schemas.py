@@ -62,7 +62,7 @@ print("ok")
 def test_kernels_folder_under_its_own_name_is_libkk_kernels():
     """Defining the libkk:: ops a second time (the folder run again as `kernels`) left torch's
     dispatcher crashing on the next call of a mutating op; the folder hands out libkk.kernels."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled mode
     result = subprocess.run(
         [sys.executable, "-c", _IMPORTED_TWICE, str(root)],

@@ -67,10 +67,10 @@ def test_greedy_verification_matches_sequential_sampling():
         output.append(token)
     # Drafts: the first two right, the third wrong.
     drafts = [want[0], want[1], (want[2] + 1) % VOCAB]
-    [(tokens, _)] = verify([logits], [_request("r", drafts, params, output=[7])])
+    [(tokens, _)] = verify([logits], [_request("r", drafts, params, output=[7])]).to_host()
     assert tokens == want[:3]
     # All right: the bonus token at the fourth row.
-    [(tokens, _)] = verify([logits], [_request("r", want[:3], params, output=[7])])
+    [(tokens, _)] = verify([logits], [_request("r", want[:3], params, output=[7])]).to_host()
     assert tokens == want
 
 
@@ -90,7 +90,7 @@ def test_bonus_token_is_the_plain_samplers_draw():
     bonus_row = SamplingRow(params, 3, 12, [1], list(out))
     bonus = sampler(logits[2:3], [bonus_row]).token_ids[0]
     req = _request("r", drafts, params, seed=3, output=[5], draft_logits=draft_logits)
-    [(tokens, _)] = verify([logits], [req])
+    [(tokens, _)] = verify([logits], [req]).to_host()
     assert tokens == [*drafts, bonus]
 
 
@@ -101,7 +101,7 @@ def test_synthetic_accepts_at_configured_rates(rates):
     logits = torch.zeros(k + 1, VOCAB)
     params = SamplingParams(temperature=0.0)
     reqs = [_request(f"r{i}", [1, 2, 3], params, seed=i, position=20 + i) for i in range(4000)]
-    results = verify([logits] * len(reqs), reqs, synthetic_rates=rates)
+    results = verify([logits] * len(reqs), reqs, synthetic_rates=rates).to_host()
     accepted = torch.tensor([len(t) - 1 for t, _ in results])
     for j in range(k):
         reached = int((accepted >= j).sum())
@@ -110,7 +110,7 @@ def test_synthetic_accepts_at_configured_rates(rates):
         sigma = (per_pos[j] * (1 - per_pos[j]) / reached) ** 0.5
         assert abs(rate - per_pos[j]) < 4 * sigma + 1e-9, (j, rate, per_pos[j])
     # Deterministic: the same keyed uniforms give the same result.
-    again = verify([logits] * 50, reqs[:50], synthetic_rates=rates)
+    again = verify([logits] * 50, reqs[:50], synthetic_rates=rates).to_host()
     assert again == results[:50]
     # The token after the accepted run is the target's argmax (zeros: token 0).
     assert all(t[-1] == 0 for t, _ in results)
@@ -127,7 +127,7 @@ def test_synthetic_final_token_is_the_plain_samplers_in_ragged_mixed_batches(rat
         params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i)
         reqs.append(_request(f"r{i}", list(range(4, 4 + n)), params, seed=100 + i, position=30))
         logits.append(torch.randn(n + 1, VOCAB, generator=g))
-    results = verify(logits, reqs, synthetic_rates=[rate])
+    results = verify(logits, reqs, synthetic_rates=[rate]).to_host()
     for r, x, (tokens, _) in zip(reqs, logits, results, strict=True):
         n = r.num_spec_tokens
         accepted = n if rate == 1.0 else 0

@@ -17,7 +17,7 @@ def test_prefill_steps_are_declared_and_decode_steps_are_not(tiny_qwen3_dir):
             return forward(ids, positions)
 
         model.forward = probe
-        s.engine.runner.forward = probe
+        s.engine.runner.step_backends.eager.forward = probe
         prompt = list(range(2, 42))  # 40 tokens: three chunks of at most 16
         s.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [declared for _, declared in seen] == [True, True, True, False, False, False]

@@ -10,7 +10,7 @@ from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.config import SchedulerConfig
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import DECODE, PREFILL, Scheduler
-from libkk.runtime.io import ModelRunnerOutput, SchedulerOutput
+from libkk.runtime.io import RunnerOutput, SchedulerOutput
 from libkk.sample.params import SamplingParams
 
 BLOCK = 4
@@ -29,12 +29,17 @@ def make_request(prompt_len: int, max_tokens: int = 8, first_token: int = 0) -> 
     )
 
 
-def fake_run(out: SchedulerOutput) -> ModelRunnerOutput:
-    result = ModelRunnerOutput()
+def fake_run(out: SchedulerOutput) -> RunnerOutput:
+    result = RunnerOutput()
     for r in out.requests:
         if r.sampling is not None:
             result.sampled_token_ids[r.request_id] = [7]
     return result
+
+
+def update(s: Scheduler, out: SchedulerOutput, result: RunnerOutput, elapsed: float) -> None:
+    """A synchronous step's bookkeeping: launched, then its tokens appended."""
+    s.append(out, s.after_launch(out), result, elapsed)
 
 
 def make_scheduler(num_blocks: int = 256, **cfg: object) -> Scheduler:
@@ -47,7 +52,7 @@ def run_to_completion(s: Scheduler, elapsed=lambda out: 1.0, max_steps: int = 10
         out = s.schedule()
         assert not out.empty, "scheduler stalled with unfinished requests"
         steps.append(out)
-        s.update(out, fake_run(out), elapsed(out))
+        update(s, out, fake_run(out), elapsed(out))
         assert len(steps) < max_steps
     return steps
 
@@ -89,7 +94,7 @@ def test_decode_runs_before_new_prefill():
     s = make_scheduler(max_num_batched_tokens=8)
     a = make_request(4, max_tokens=5)
     s.add_request(a)
-    s.update(out := s.schedule(), fake_run(out), 1.0)
+    update(s, out := s.schedule(), fake_run(out), 1.0)
     b = make_request(30)
     s.add_request(b)
     out = s.schedule()
@@ -130,7 +135,7 @@ def test_uncap_prefill_only_steps():
     )
     a = make_request(4)
     s.add_request(a)
-    s.update(out := s.schedule(), fake_run(out), 1.0)
+    update(s, out := s.schedule(), fake_run(out), 1.0)
     s.add_request(make_request(100))
     assert s.schedule().num_scheduled_tokens == 16
 
@@ -158,7 +163,7 @@ def _time_shares(share: float) -> tuple[float, float, int, int]:
         assert len(kinds) == 1, "under contention a step runs one class only"
         time[out.kind] += cost[out.kind]
         count[out.kind] += 1
-        s.update(out, fake_run(out), cost[out.kind])
+        update(s, out, fake_run(out), cost[out.kind])
     return time[PREFILL], time[DECODE], count[PREFILL], count[DECODE]
 
 
@@ -175,7 +180,7 @@ def test_prefill_share_without_contention_runs_freely():
     for _ in range(4):
         out = s.schedule()
         assert out.num_scheduled_tokens == 16
-        s.update(out, fake_run(out), 1.0)
+        update(s, out, fake_run(out), 1.0)
 
 
 def test_auto_share_moves_toward_pressure_within_bounds():
@@ -183,11 +188,11 @@ def test_auto_share_moves_toward_pressure_within_bounds():
     for i in range(2):
         s.add_request(make_request(2, max_tokens=500, first_token=10 * i))
     for _ in range(2):
-        s.update(out := s.schedule(), fake_run(out), 1.0)
+        update(s, out := s.schedule(), fake_run(out), 1.0)
     for i in range(50):
         s.add_request(make_request(64, max_tokens=1, first_token=1000 + 100 * i))
     for _ in range(60):
-        s.update(out := s.schedule(), fake_run(out), 1.0)
+        update(s, out := s.schedule(), fake_run(out), 1.0)
     assert 0.5 < s.share <= 0.8  # lots of queued prefill: the share rose, but not past its bound
 
 
@@ -221,7 +226,7 @@ def test_abort_waiting_and_preempted_requests():
     waiting = make_request(8, first_token=900)
     for r in [*running, waiting]:
         s.add_request(r)
-    s.update(out := s.schedule(), fake_run(out), 1.0)
+    update(s, out := s.schedule(), fake_run(out), 1.0)
     assert waiting.status == RequestStatus.WAITING  # max_num_seqs holds it back
     s.finish_request(waiting.request_id, RequestStatus.FINISHED_ABORTED)
     assert waiting not in s.waiting and waiting.finished
@@ -229,7 +234,7 @@ def test_abort_waiting_and_preempted_requests():
     for _ in range(20):
         if any(r.status == RequestStatus.PREEMPTED for r in running):
             break
-        s.update(out := s.schedule(), fake_run(out), 1.0)
+        update(s, out := s.schedule(), fake_run(out), 1.0)
     victim = next(r for r in running if r.status == RequestStatus.PREEMPTED)
     s.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED)
     assert victim not in s.waiting and s.num_unfinished == 2

@@ -539,7 +539,7 @@ def test_engine_default_model_uses_the_shipped_drafter(default_model_dir) -> Non
     with Session(device="cpu") as s:
         plain = s.chat(prompt, greedy).token_ids
     with Session(device="cpu", speculative={"method": "dflash"}) as s:
-        assert isinstance(s.engine.proposer, DFlashProposer)
+        assert isinstance(s.engine.speculation.proposer, DFlashProposer)
         out = s.chat(prompt, greedy)
         stats = s.stats()
     assert out.token_ids == plain

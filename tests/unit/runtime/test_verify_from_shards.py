@@ -71,12 +71,12 @@ def test_sampled_and_one_hot_drafts_verify_as_on_whole_rows(trial):
     requests.append(_request("o", SamplingParams(temperature=0.9), 2, 60 + trial))  # one-hot
     logits = [torch.randn(r.num_spec_tokens + 1, VOCAB, generator=gen) * 2 for r in requests]
 
-    whole = verify(logits, requests)
+    whole = verify(logits, requests).to_host()
     without_q = [
         ScheduledRequest(**{**vars(r), "draft_logits": None}) for r in requests
     ]  # as the engine schedules drafts whose q is kept in shards
     assert shards_cover(without_q, VOCAB)
-    shards = verify_from_shards(logits, without_q, 0, kept, stack_gather)
+    shards = verify_from_shards(logits, without_q, 0, kept, stack_gather).to_host()
     assert [tokens for tokens, _ in shards] == [tokens for tokens, _ in whole]
     assert all(lp is None for _, lps in shards for lp in lps)
 
@@ -89,8 +89,8 @@ def test_greedy_steps_take_the_argmax_shortcut():
     logits = [torch.randn(r.num_spec_tokens + 1, VOCAB, generator=gen) for r in requests]
     # Drafts equal to the target's argmax are accepted: make the last request's first two so.
     requests[2].spec_token_ids[:2] = logits[2][:2].argmax(dim=-1).tolist()
-    whole = verify(logits, requests)
-    shards = verify_from_shards(logits, requests, 0, {}, stack_gather)
+    whole = verify(logits, requests).to_host()
+    shards = verify_from_shards(logits, requests, 0, {}, stack_gather).to_host()
     assert shards == whole
     assert len(shards[2][0]) >= 3
 
@@ -119,4 +119,4 @@ def test_kept_drafts_must_be_the_verified_ones():
     shard.token_ids = [(t + 1) % VOCAB for t in shard.token_ids]
     logits = [torch.randn(4, VOCAB, generator=gen)]
     with pytest.raises(RuntimeError, match="kept draft shard"):
-        verify_from_shards(logits, [request], 0, {"s": shard}, stack_gather)
+        verify_from_shards(logits, [request], 0, {"s": shard}, stack_gather).to_host()
