@@ -25,6 +25,7 @@ class Programs:
     stream: Path  # examples/c/stream.cpp
     abi_test: Path  # tests/c_abi/abi_test.c
     dlopen_test: Path  # tests/c_abi/dlopen_test.c
+    threads_test: Path  # tests/c_abi/threads_test.c
 
 
 def host_env(extra: Mapping[str, str] | None = None, *, c_locale: bool = False) -> dict[str, str]:
@@ -72,6 +73,7 @@ def build_programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
         stream=bins / "stream",
         abi_test=bins / "abi_test",
         dlopen_test=bins / "dlopen_test",
+        threads_test=bins / "threads_test",
     )
     c99 = [cc, "-std=c99", *warnings]
     _compile([*c99, ROOT / "examples/c/generate.c", *link, "-o", out.generate])
@@ -79,6 +81,7 @@ def build_programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
         [cxx, "-std=c++17", *warnings, ROOT / "examples/c/stream.cpp", *link, "-o", out.stream]
     )
     _compile([*c99, HERE / "abi_test.c", *link, "-lpthread", "-lm", "-o", out.abi_test])
+    _compile([*c99, HERE / "threads_test.c", *link, "-lpthread", "-o", out.threads_test])
     # Links neither libkk nor libpython: it dlopens libkk.so with RTLD_LOCAL.
     _compile([*c99, "-I", build, HERE / "dlopen_test.c", "-ldl", "-o", out.dlopen_test])
     return out

@@ -74,6 +74,14 @@ def test_abi_program_in_the_c_locale(programs: Programs, tiny_llama_dir: Path) -
     assert "Traceback" not in result.stderr, _lines(result)
 
 
+def test_sessions_in_threads_each_equal_alone(programs: Programs, tiny_llama_dir: Path) -> None:
+    """Four sessions on one model, each driven by its own host thread at once: every request's
+    tokens equal the same session's alone (libkk.h: any function from several threads)."""
+    result = run([programs.threads_test, tiny_llama_dir])
+    assert result.returncode == 0, _lines(result)
+    assert "0 mismatches" in result.stdout, _lines(result)
+
+
 def test_examples_on_the_default_model(programs: Programs, default_model_dir: Path) -> None:
     # default_model_dir: the default model is converted (once, into the user cache) up front.
     prompt = "The capital of France is"
