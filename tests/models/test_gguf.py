@@ -271,16 +271,18 @@ def test_untied_output_becomes_lm_head(tmp_path: Path) -> None:
 
 
 def test_refuses_other_architectures(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "q.gguf", arch="qwen2")
-    with pytest.raises(UnsupportedModelError, match=r"'qwen2'.*supported: llama"):
+    write_tiny_gguf(tmp_path / "q.gguf", arch="gemma")
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gemma'.*supported: llama, qwen2, qwen3, qwen3moe"
+    ):
         convert_gguf(tmp_path / "q.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_refuses_other_tokenizer_models(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
-    with pytest.raises(UnsupportedModelError, match=r"tokenizer model 'llama'.*'gpt2'"):
-        convert_gguf(tmp_path / "spm.gguf", tmp_path / "out", progress=False)
+    write_tiny_gguf(tmp_path / "wp.gguf", tokenizer_model="bert")
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer model 'bert'.*'gpt2', 'llama'"):
+        convert_gguf(tmp_path / "wp.gguf", tmp_path / "out", progress=False)
 
 
 def test_truncated_or_missing_gguf(tmp_path: Path, tiny: tuple[Path, Path, dict]) -> None:
