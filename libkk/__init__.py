@@ -17,11 +17,12 @@ from libkk.errors import (
     PromptTooLongError,
     SamplingParamsError,
     SessionClosedError,
+    StructuredOutputError,
     TensorParallelError,
     UnknownRequestError,
     UnsupportedModelError,
 )
-from libkk.sample.params import SamplingParams
+from libkk.sample.params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,8 @@ __all__ = [
     "SchedulerConfig",
     "Session",
     "SessionClosedError",
+    "StructuredOutput",
+    "StructuredOutputError",
     "TensorParallelError",
     "Timeline",
     "UnknownRequestError",

@@ -35,6 +35,11 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus min_tokens) does not fit in max_model_len."""
 
 
+class StructuredOutputError(InvalidRequestError):
+    """A request's structured-output constraint cannot be used: a malformed JSON Schema, an
+    invalid regex or grammar, one that admits no output, or a setting it does not work with."""
+
+
 class UnknownRequestError(LibkkError, KeyError):
     """A request id that the session does not know (never submitted, or already collected)."""
 

@@ -10,8 +10,9 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 
 from libkk.engine.request import Request
-from libkk.errors import InvalidRequestError, PromptTooLongError
+from libkk.errors import InvalidRequestError, PromptTooLongError, StructuredOutputError
 from libkk.models.tokenizer import Tokenizer, check_utf8
+from libkk.sample.grammar import GrammarCompiler
 from libkk.sample.params import SamplingParams
 
 
@@ -24,8 +25,10 @@ def make_request(
     tokenizer: Tokenizer,
     vocab_size: int,
     max_model_len: int,
+    grammars: GrammarCompiler | None = None,
 ) -> Request:
-    """Tokenizes and validates a request."""
+    """Tokenizes and validates a request. A structured-output constraint is compiled here, with
+    `grammars` (StructuredOutputError when it cannot be used), never inside a step."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
@@ -51,6 +54,13 @@ def make_request(
     room = limit - len(token_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     seed = params.seed if params.seed is not None else secrets.randbits(63)
+    grammar = None
+    if params.structured is not None:
+        if grammars is None:
+            raise StructuredOutputError(
+                "SamplingParams.structured is set but this engine has no grammar compiler"
+            )
+        grammar = grammars.matcher(params.structured)
     return Request(
         request_id,
         token_ids,
@@ -60,6 +70,7 @@ def make_request(
         max_tokens=max_tokens,
         arrival_time=arrival_time,
         prompt=prompt_text,
+        grammar=grammar,
     )
 
 

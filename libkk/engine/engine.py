@@ -39,11 +39,17 @@ from libkk.engine.rank import (
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
 from libkk.engine.speculation import build_speculation
-from libkk.errors import ConfigError, InvalidRequestError, UnknownRequestError
+from libkk.errors import (
+    ConfigError,
+    InvalidRequestError,
+    StructuredOutputError,
+    UnknownRequestError,
+)
 from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import LaunchedStep, SchedulerOutput
+from libkk.sample.grammar import GrammarCompiler
 from libkk.sample.params import SamplingParams
 
 logger = logging.getLogger("libkk")
@@ -73,6 +79,12 @@ class Engine:
         with phases.phase("model files and tokenizer"):
             self.model_dir: Path = resolve_model_path(config.model.model, progress=config.progress)
             self.tokenizer = Tokenizer.from_folder(self.model_dir)
+            # Structured output: llguidance's tokenizer is built on the first constrained request.
+            self.grammars = GrammarCompiler(
+                self.model_dir / "tokenizer.json",
+                self.tokenizer.vocab_size,
+                self.tokenizer.eos_token_ids,
+            )
         # Tensor parallelism: workers start and load their slices while this rank loads its own.
         with phases.phase("start tensor-parallel workers"):
             self.executor: TPExecutor | None = start_executor(config, self.model_dir, self.device)
@@ -220,6 +232,8 @@ class Engine:
         arrival_time: float,
     ) -> Request:
         """Tokenizes and validates a request; touches no engine state (safe off the lock)."""
+        if isinstance(params, SamplingParams) and params.structured is not None:
+            self._check_structured()
         return make_request(
             request_id,
             prompt,
@@ -228,7 +242,22 @@ class Engine:
             tokenizer=self.tokenizer,
             vocab_size=self.arch.vocab_size,
             max_model_len=self.max_model_len,
+            grammars=self.grammars,
         )
+
+    def _check_structured(self) -> None:
+        """Refuses structured output where this engine cannot constrain it yet."""
+        if self.config.speculative.method is not None:
+            raise StructuredOutputError(
+                "SamplingParams.structured does not work with speculative decoding "
+                f"(speculative.method={self.config.speculative.method!r}): expected a session "
+                "without speculation"
+            )
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise StructuredOutputError(
+                "SamplingParams.structured does not work with tensor parallelism yet "
+                f"(tensor_parallel_size={self.config.parallel.tensor_parallel_size}): expected 1"
+            )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from libkk.engine.timeline import Timeline
+from libkk.sample.grammar import GrammarMatcher
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow, TokenLogprobs
 
@@ -64,6 +65,7 @@ class Request:
         max_tokens: int,
         arrival_time: float,
         prompt: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -91,6 +93,9 @@ class Request:
         self.error: str | None = None
         self.timeline = Timeline(arrival=arrival_time)
         self._sampling_row: SamplingRow | None = None  # the last built, reused at the same count
+        # Structured output: the grammar's state, advanced by each output token as it is
+        # appended (preemption keeps the output, so the state needs no reset).
+        self.grammar = grammar
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -130,10 +135,12 @@ class Request:
     def reads_token_values(self) -> bool:
         """Whether sampling its next token reads earlier token values or needs the exact output
         count at sampling time (penalties, min_tokens bans): async scheduling then waits for its
-        in-flight token before scheduling it."""
+        in-flight token before scheduling it. A grammar's mask for the next token follows from
+        every token before it, so a constrained request reads token values too."""
         p = self.params
         return (
-            p.repetition_penalty != 1.0
+            self.grammar is not None
+            or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or self.num_output_tokens + self.num_pending_tokens < p.min_tokens
@@ -156,6 +163,14 @@ class Request:
         # Everything else in a row is fixed or follows from the token count: the token lists are
         # the request's own (live), and the bans depend on the output count (position - prompt).
         if row is None or row.position != position:
+            grammar_mask = None
+            if self.grammar is not None:
+                if self.num_pending_tokens:
+                    raise RuntimeError(
+                        f"request {self.request_id!r} has a grammar and a token in flight: its "
+                        "mask needs every token before the next (reads_token_values)"
+                    )
+                grammar_mask = self.grammar.next_mask()
             row = self._sampling_row = SamplingRow(
                 params=self.params,
                 seed=self.seed,
@@ -163,12 +178,15 @@ class Request:
                 prompt_token_ids=self.prompt_token_ids,
                 output_token_ids=self.output_token_ids,
                 banned_token_ids=tuple(self.banned_token_ids()),
+                grammar_mask=grammar_mask,
             )
         return row
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
@@ -177,8 +195,13 @@ class Request:
     ) -> None:
         """Appends tokens in order until one finishes the request (`check_stop_token` after each
         token); the tokens after it are dropped."""
-        if len(token_ids) == 1 or not (
-            self.eos_token_ids.isdisjoint(token_ids) and self.stop_token_ids.isdisjoint(token_ids)
+        if (
+            len(token_ids) == 1
+            or self.grammar is not None
+            or not (
+                self.eos_token_ids.isdisjoint(token_ids)
+                and self.stop_token_ids.isdisjoint(token_ids)
+            )
         ):
             for token, lp in zip(token_ids, logprobs, strict=True):
                 self.append_token(token, lp)
@@ -206,6 +229,8 @@ class Request:
         del self.output_token_ids[num_output_tokens:]
         del self._all_token_ids[len(self._all_token_ids) - drop :]
         del self.output_logprobs[num_output_tokens:]
+        if self.grammar is not None:
+            self.grammar.rollback(drop)
 
     def check_stop_token(self) -> bool:
         """Finishes the request if its last token is a stop token or it reached its length."""
@@ -217,6 +242,15 @@ class Request:
             if token in self.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = token
+                return True
+        if self.grammar is not None:
+            error = self.grammar.error()
+            if error is not None:  # a token the mask did not allow (none was, say)
+                self.status = RequestStatus.FINISHED_ERROR
+                self.error = f"structured output: {error}"
+                return True
+            if self.grammar.is_finished():  # complete: it accepts no further token
+                self.status = RequestStatus.FINISHED_STOPPED
                 return True
         if self.num_output_tokens >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

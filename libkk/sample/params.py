@@ -11,6 +11,55 @@ from libkk.errors import SamplingParamsError, UnknownSamplingParamError
 
 _MAX_SEED = 2**63 - 1
 
+# The kinds of constraint a StructuredOutput may name; exactly one is set.
+STRUCTURED_KINDS = ("json_schema", "json", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on a request's output text: exactly one of
+
+    - json_schema: a JSON Schema (a dict) the output must validate against;
+    - json: True, any JSON object;
+    - regex: a regular expression the whole output must match;
+    - choice: a non-empty list of strings, the output being one of them;
+    - grammar: a Lark grammar (llguidance's dialect) whose `start` rule the output must match.
+
+    The output ends (finish_reason "stop") once the constraint admits no further token; EOS is
+    allowed only where it may end. Whether a schema, regex or grammar is valid (and admits some
+    output) is checked when the request is submitted.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    json: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                f"SamplingParams.structured sets {given or 'nothing'}: expected exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}"
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json_schema" and not isinstance(value, dict):
+            _bad("structured.json_schema", value, "a JSON Schema as a dict")
+        if kind == "json" and value is not True:
+            _bad("structured.json", value, "true (any JSON object)")
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            _bad(f"structured.{kind}", value, "a non-empty string")
+        if kind == "choice" and not (
+            isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
+        ):
+            _bad("structured.choice", value, "a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
 
 class _CheckedCall(type(msgspec.Struct)):  # type: ignore[misc]
     """Construction that reports an unknown keyword (or a positional argument) as a LibkkError.
@@ -68,6 +117,8 @@ class SamplingParams(
     # Number of top log-probabilities to return per generated token (None: none).
     logprobs: int | None = None
     seed: int | None = None
+    # Constrained decoding (a StructuredOutput, or a dict of its fields): None for free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_type("max_tokens", self.max_tokens, int, optional=True)
@@ -115,6 +166,16 @@ class SamplingParams(
         _check_type("seed", self.seed, int, optional=True)
         if self.seed is not None and not -_MAX_SEED <= self.seed <= _MAX_SEED:
             _bad("seed", self.seed, "a 64-bit signed integer")
+        if isinstance(self.structured, dict):
+            # NOTE: a Struct's __init__ does not convert nested values; a dict is converted here
+            # so that SamplingParams(structured={"regex": ...}) works as from_dict does.
+            try:
+                structured = msgspec.convert(self.structured, StructuredOutput)
+            except msgspec.ValidationError as e:
+                raise SamplingParamsError(f"SamplingParams.structured is invalid: {e}") from None
+            msgspec.structs.force_setattr(self, "structured", structured)
+        elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            _bad("structured", self.structured, "a StructuredOutput, a dict of its fields or None")
 
     @property
     def greedy(self) -> bool:

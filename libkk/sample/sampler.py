@@ -1,7 +1,8 @@
 """The sampler: one token per row of logits, with vLLM's penalties, filters and logprobs.
 
-Order per row: banned ids -> -inf; repetition penalty (prompt + output tokens); frequency and
-presence penalties (output tokens); then greedy rows take the argmax, and random rows divide by
+Order per row: tokens a grammar disallows -> -inf (structured output); banned ids -> -inf;
+repetition penalty (prompt + output tokens); frequency and presence penalties (output tokens);
+then greedy rows take the argmax, and random rows divide by
 the temperature, apply top-k, top-p and min-p, and take argmax(logits + keyed Gumbel noise). The
 noise is keyed by (seed, position, token id), so a row's token depends on its own logits, seed and
 position only, never on the rest of the batch. Logprobs are of the raw logits (vLLM's default).
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from libkk.sample.grammar import apply_token_bitmask_
 from libkk.sample.gumbel import gumbel_argmax, gumbel_argmax_at
 from libkk.sample.params import SamplingParams
 
@@ -34,13 +36,17 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     banned_token_ids: Sequence[int] = ()  # -inf this step (eos/stop ids while under min_tokens)
+    # Structured output: the tokens the request's grammar allows next, an int32 bitmask
+    # [ceil(grammar vocab / 32)] on the host; ids past it are disallowed. None: unconstrained.
+    grammar_mask: Tensor | None = field(default=None, compare=False)
 
     def keeps_raw_argmax(self) -> bool:
         """Whether the argmax of the raw logits survives this row's processing: no banned id and
-        no penalty (temperature and the filters always keep the top token)."""
+        no penalty and no grammar (temperature and the filters always keep the top token)."""
         p = self.params
         return (
             not self.banned_token_ids
+            and self.grammar_mask is None
             and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0
@@ -136,6 +142,11 @@ class Sampler:
             raise ValueError(f"got {len(rows)} sampling rows for {num_rows} rows of logits")
         device = logits.device
         x = logits.float()
+        constrained = [i for i, row in enumerate(rows) if row.grammar_mask is not None]
+        if constrained:
+            # NOTE: masked on a copy: logprobs stay those of the raw logits.
+            x = x.clone() if x is logits else x
+            apply_grammar_masks(x, rows, constrained)
         x = apply_penalties(x, rows, inplace=x is not logits)  # [R, V]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random_rows) < num_rows:
@@ -165,6 +176,30 @@ class Sampler:
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
+
+
+def apply_grammar_masks(
+    logits: Tensor, rows: Sequence[SamplingRow], constrained: Sequence[int]
+) -> None:
+    """Sets the tokens each constrained row's grammar disallows to -inf, in place.  # [R, V]
+
+    constrained: the rows with a grammar_mask; the other rows are untouched."""
+    masks = [m for i in constrained if (m := rows[i].grammar_mask) is not None]
+    words = max(m.shape[0] for m in masks)
+    # Rows of one session share a tokenizer; a shorter row is padded with disallowed words.
+    host = torch.zeros((len(masks), words), dtype=torch.int32)  # [G, W]
+    for j, m in enumerate(masks):
+        host[j, : m.shape[0]] = m
+    bitmask = (
+        host
+        if logits.device.type != "cuda"
+        else host.pin_memory().to(logits.device, non_blocking=True)
+    )
+    if len(constrained) == logits.shape[0]:
+        apply_token_bitmask_(logits, bitmask)
+    else:
+        idx = _host_ints(constrained, logits.device)
+        logits[idx] = apply_token_bitmask_(logits[idx], bitmask)
 
 
 def _filters(params: SamplingParams, vocab_size: int) -> bool:
