@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
+from gguf_helpers import encode, write_model_gguf
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -81,6 +82,7 @@ def write_tiny_gguf(
     tokenizer_model: str = "gpt2",
     tied: bool = True,
     seed: int = 0,
+    down_type: Q = Q.Q6_K,
 ) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF in several quant types; returns the HF tensors the converter must
     produce (dequantized exactly as gguf does, q/k in HF row order)."""
@@ -111,23 +113,13 @@ def write_tiny_gguf(
 
     def add(gguf_name: str, hf_name: str, hf: np.ndarray, qtype: Q, heads: int = 0) -> None:
         stored = llama_cpp_permute(hf, heads) if heads else hf
-        if qtype == Q.Q6_K:
-            # gguf-py cannot quantize K-quants: random blocks with a sane fp16 scale instead.
-            rows = hf.shape[0] * hf.shape[1] // 256
-            data = rng.integers(0, 256, size=(rows, 210), dtype=np.uint8)
-            data[:, 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-            data = data.reshape(hf.shape[0], -1)
-            deq = dequantize(data, qtype)
-            w.add_tensor(gguf_name, data, raw_dtype=qtype)
-            expected[hf_name] = unpermute_qk(deq, heads) if heads else deq
-            return
-        data = quantize(stored, qtype)
+        data = encode(stored, qtype, rng)
         if qtype in (Q.F32, Q.F16):
             w.add_tensor(gguf_name, data)
         else:
             w.add_tensor(gguf_name, data, raw_dtype=qtype)
-        # Quant blocks run along rows, so row permutation and rounding commute.
-        expected[hf_name] = dequantize(quantize(hf, qtype), qtype).astype(np.float32)
+        deq = dequantize(data, qtype).astype(np.float32).reshape(hf.shape)
+        expected[hf_name] = unpermute_qk(deq, heads) if heads else deq
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.2
@@ -154,7 +146,7 @@ def write_tiny_gguf(
         add(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", 1 + rand(HIDDEN), Q.F32)
         add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", rand(INTER, HIDDEN), Q.Q4_1)
         add(p + "ffn_up.weight", h + "mlp.up_proj.weight", rand(INTER, HIDDEN), Q.BF16)
-        add(p + "ffn_down.weight", h + "mlp.down_proj.weight", rand(HIDDEN, INTER), Q.Q6_K)
+        add(p + "ffn_down.weight", h + "mlp.down_proj.weight", rand(HIDDEN, INTER), down_type)
     add("output_norm.weight", "model.norm.weight", 1 + rand(HIDDEN), Q.F32)
     if not tied:
         add("output.weight", "lm_head.weight", rand(VOCAB, HIDDEN), Q.Q8_0)
@@ -305,6 +297,212 @@ def test_progress_bar_goes_to_stderr(
     convert_gguf(tiny[0], tmp_path / "b", progress=False)
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+# ------------------------------------------------------------------ every quantization type
+
+
+def _dequantizable_types() -> list[Q]:
+    from gguf.quants import _type_traits
+
+    return [Q.F32, Q.F16, *(t for t in Q if t in _type_traits)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random IQ1_M blocks decode to NaN
+@pytest.mark.parametrize("qtype", _dequantizable_types(), ids=lambda t: t.name)
+def test_every_dequantizable_type_converts_exactly(qtype: Q, tmp_path: Path) -> None:
+    """ffn_down (rows of 256, whole blocks for every type) in `qtype`: the converter gives back
+    exactly what gguf-py dequantizes."""
+    expected = write_tiny_gguf(tmp_path / "t.gguf", down_type=qtype)
+    convert_gguf(tmp_path / "t.gguf", tmp_path / "hf", progress=False)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    for i in range(LAYERS):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        assert got[name].shape == (HIDDEN, INTER)
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_type_gguf_cannot_dequantize_is_refused(tmp_path: Path) -> None:
+    from gguf.quants import _type_traits
+
+    unsupported = next(t for t in (Q.Q8_1, Q.Q8_K, Q.I8) if t not in _type_traits)
+    block, size = gguf.GGML_QUANT_SIZES[unsupported]
+    raw = np.zeros((HIDDEN, INTER // block * size), np.uint8)
+    w = gguf.GGUFWriter(str(tmp_path / "u.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=unsupported)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    # Swap that tensor into an otherwise valid model: rebuild the tiny model's tensors around it.
+    reader = gguf.GGUFReader(tmp_path / "u.gguf")
+    assert reader.tensors[0].tensor_type == unsupported
+    write_tiny_gguf(tmp_path / "m.gguf")
+    src = gguf.GGUFReader(tmp_path / "m.gguf")
+    out = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for field in src.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        out.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    for t in src.tensors:
+        if t.name == "blk.1.ffn_down.weight":
+            out.add_tensor(t.name, raw, raw_dtype=unsupported)
+        else:
+            out.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    with pytest.raises(
+        UnsupportedModelError, match=rf"'blk\.1\.ffn_down\.weight'.*{unsupported.name}"
+    ):
+        convert_gguf(tmp_path / "bad.gguf", tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------- every family, several qtypes
+
+_FAMILY_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# family -> (transformers config class name, extra fields)
+GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=50000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+}
+GGUF_PROMPTS = [[3, 17, 200, 45, 9], list(range(20, 31))]
+
+
+def tiny_hf_model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cls_name, extra = GGUF_FAMILIES[family]
+    config = getattr(transformers, cls_name)(**(_FAMILY_COMMON | extra))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    gen = torch.Generator().manual_seed(len(family))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+@torch.no_grad()
+def test_family_gguf_runs_like_dequantized_reference(
+    family: str, qtype: Q, tmp_path: Path, _one_thread: None
+) -> None:
+    """A tiny transformers model written as llama.cpp would (q/k permuted for llama/Mixtral,
+    experts stacked), in `qtype`: libkk's run of the converted folder matches transformers
+    running the same dequantized weights (prefill logits and greedy tokens)."""
+    from paged_helpers import PagedKV
+
+    from libkk.models.loader import load_model
+
+    model = tiny_hf_model(family)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    src = tmp_path / f"{family}.gguf"
+    expected = write_model_gguf(model, src, qtype, tokens=TOKENS, token_types=TYPES, merges=MERGES)
+    convert_gguf(src, tmp_path / "hf", progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]
+    assert config["tie_word_embeddings"] is model.config.tie_word_embeddings
+    if qtype == Q.F32:
+        for name, value in original.items():
+            torch.testing.assert_close(expected[name], value, rtol=0, atol=0, msg=name)
+    else:
+        assert not torch.equal(expected["model.layers.0.self_attn.q_proj.weight"],
+                               original["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    model.load_state_dict(expected)
+    kk, _ = load_model(tmp_path / "hf", torch.float32, torch.device("cpu"), progress=False)
+    logits = PagedKV(kk, block_size=4).prefill_logits(GGUF_PROMPTS)
+    for prompt, got in zip(GGUF_PROMPTS, logits, strict=True):
+        want = model(torch.tensor([prompt])).logits[0]
+        assert (got - want).abs().max().item() < 1e-4
+    prompt = [11, 250, 3, 77, 120]
+    ids = list(prompt)
+    for _ in range(10):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert PagedKV(kk, block_size=4).greedy(prompt, 10) == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) -> None:
+    """transformers' own GGUF reader (metadata keys, tensor names, q/k un-permute where it
+    applies) reads the same config values and weights as the converted folder holds."""
+    from transformers import AutoModelForCausalLM
+
+    load_gguf_checkpoint = transformers_gguf_loader()
+    if load_gguf_checkpoint is None:
+        pytest.skip("this transformers has no GGUF loader")
+    src = tmp_path / f"{family}.gguf"
+    write_model_gguf(
+        tiny_hf_model(family), src, Q.Q8_0, tokens=TOKENS, token_types=TYPES, merges=MERGES
+    )
+    convert_gguf(src, tmp_path / "hf", progress=False)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    reference = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=ours)
+    ref_config = reference["config"]
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "head_dim",
+    ):
+        if key in ref_config:
+            got = ours.config.rope_parameters["rope_theta"] if key == "rope_theta" else None
+            got = getattr(ours.config, key) if got is None else got
+            assert got == pytest.approx(ref_config[key]), key
+    state = ours.state_dict()
+    assert set(reference["tensors"]) <= set(state)
+    assert len(reference["tensors"]) >= len(state) - 1  # all but a tied lm_head
+    for name, value in reference["tensors"].items():
+        torch.testing.assert_close(state[name], torch.as_tensor(value), rtol=0, atol=0, msg=name)
 
 
 # --------------------------------------------------------------------- cache of the default

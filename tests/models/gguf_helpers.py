@@ -1,0 +1,191 @@
+"""Writes a transformers model as a GGUF the way llama.cpp's convert_hf_to_gguf.py lays it out,
+in a chosen quantization type, and returns the weights a faithful importer must give back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+# Byte offsets of the float16 scale fields in one block of the types gguf-py can dequantize but
+# not quantize. Dequantized values are linear in these fields, so random blocks with the fields
+# set to a chosen value give weights of a chosen size.
+F16_SCALE_OFFSETS: dict[Q, tuple[int, ...]] = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ2_S: (0,),
+    Q.IQ3_XXS: (0,),
+    Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
+
+
+# The types gguf.quants.quantize writes.
+QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+QUANTIZABLE += (Q.TQ1_0, Q.TQ2_0, Q.MXFP4)
+
+
+def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator, std: float = 0.1) -> np.ndarray:
+    """`w` in `qtype`'s GGUF bytes (or as float for F32/F16). Types gguf-py cannot quantize get
+    random blocks scaled to about `std` instead of `w` (the content does not matter, only that
+    the importer dequantizes what was written)."""
+    if qtype in F16_SCALE_OFFSETS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = (*w.shape[:-1], w.shape[-1] // block, size)
+        raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        flat = raw.reshape(*w.shape[:-1], -1)  # a view: setting fields in `raw` changes it
+
+        def set_scale(value: float) -> None:
+            field = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+            for offset in F16_SCALE_OFFSETS[qtype]:
+                raw[..., offset : offset + 2] = field
+
+        set_scale(1.0)
+        set_scale(std / max(float(np.nanstd(dequantize(flat, qtype))), 1e-6))
+        return flat
+    if qtype in QUANTIZABLE:
+        return quantize(w, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]  # e.g. IQ1_M: random bytes, any values
+    return rng.integers(0, 256, size=(*w.shape[:-1], w.shape[-1] // block * size), dtype=np.uint8)
+
+
+def block_size(qtype: Q) -> int:
+    return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+_ARCH_KEYS = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def write_model_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    qtype: Q,
+    *,
+    tokens: list[str],
+    token_types: list[int],
+    merges: list[str],
+    seed: int = 0,
+    fallback: Q = Q.Q8_0,
+) -> dict[str, torch.Tensor]:
+    """Writes `model` (a transformers Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral) as GGUF; matrices in
+    `qtype` (`fallback` where a row does not fill whole blocks, as llama.cpp does), norms, biases
+    and routers in F32. Returns the model's state dict with every weight replaced by exactly what
+    the GGUF holds, in HF layout (q/k un-permuted)."""
+    cfg = model.config
+    model_type = cfg.model_type
+    arch = {"qwen3_moe": "qwen3moe"}.get(model_type, _ARCH_KEYS.get(model_type, model_type))
+    permute = model_type in ("llama", "mixtral")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rng = np.random.default_rng(seed)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if permute:
+        w.add_rope_dimension_count(head_dim)
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    w.add_rope_freq_base(float(theta or getattr(cfg, "rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if model_type == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    expected: dict[str, torch.Tensor] = {}
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+
+    def add(name: str, value: np.ndarray, matrix: bool, n_head: int = 0) -> np.ndarray:
+        """Writes one tensor; returns what it dequantizes to, in HF row order."""
+        stored = value
+        if n_head:
+            stored = value.reshape(n_head, 2, -1, *value.shape[1:]).swapaxes(1, 2)
+            stored = stored.reshape(value.shape)
+        t = Q.F32
+        if matrix:
+            t = qtype if value.shape[-1] % block_size(qtype) == 0 else fallback
+        data = encode(np.ascontiguousarray(stored), t, rng)
+        if t in (Q.F32, Q.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=t)
+        got = dequantize(data, t).astype(np.float32).reshape(value.shape)
+        if n_head:
+            got = got.reshape(n_head, -1, 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
+        return got
+
+    for hf_name, tensor in model.state_dict().items():
+        value = tensor.detach().float().numpy()
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[hf_name]
+            expected[hf_name] = torch.from_numpy(add(name, value, value.ndim == 2))
+            continue
+        parts = hf_name.split(".")  # model.layers.{i}.<module>.<proj>.<param>
+        i, rest = int(parts[2]), ".".join(parts[3:])
+        blk = f"blk.{i}."
+        if rest == "mlp.experts.gate_up_proj":
+            inter = value.shape[1] // 2
+            gate = add(blk + "ffn_gate_exps.weight", value[:, :inter], True)
+            up = add(blk + "ffn_up_exps.weight", value[:, inter:], True)
+            expected[hf_name] = torch.from_numpy(np.concatenate([gate, up], axis=1))
+            continue
+        name = {
+            "input_layernorm.weight": "attn_norm.weight",
+            "post_attention_layernorm.weight": "ffn_norm.weight",
+            "self_attn.q_proj.weight": "attn_q.weight",
+            "self_attn.k_proj.weight": "attn_k.weight",
+            "self_attn.v_proj.weight": "attn_v.weight",
+            "self_attn.q_proj.bias": "attn_q.bias",
+            "self_attn.k_proj.bias": "attn_k.bias",
+            "self_attn.v_proj.bias": "attn_v.bias",
+            "self_attn.o_proj.weight": "attn_output.weight",
+            "self_attn.q_norm.weight": "attn_q_norm.weight",
+            "self_attn.k_norm.weight": "attn_k_norm.weight",
+            "mlp.gate_proj.weight": "ffn_gate.weight",
+            "mlp.up_proj.weight": "ffn_up.weight",
+            "mlp.down_proj.weight": "ffn_down.weight",
+            "mlp.gate.weight": "ffn_gate_inp.weight",
+            "mlp.experts.down_proj": "ffn_down_exps.weight",
+        }[rest]
+        matrix = value.ndim >= 2 and rest != "mlp.gate.weight"
+        n_head = heads.get(parts[-2], 0) if permute and rest.endswith("weight") else 0
+        expected[hf_name] = torch.from_numpy(add(blk + name, value, matrix, n_head))
+    if cfg.tie_word_embeddings and "lm_head.weight" in model.state_dict():
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
