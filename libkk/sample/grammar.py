@@ -23,7 +23,7 @@ from torch import Tensor
 from libkk.errors import MissingDependencyError, StructuredOutputError
 from libkk.sample.params import StructuredOutput
 
-# llguidance stop reasons of a grammar that has no continuation at all.
+# How llguidance's errors begin for a grammar with no continuation at all.
 _NO_OUTPUT = ("NoExtension", "NoExtensionBias")
 
 
@@ -105,7 +105,7 @@ class GrammarCompiler:
         if not matcher.is_error():
             mask = result.next_mask()  # kept for the first sampling row
         if matcher.is_error():
-            if matcher.stop_reason() in _NO_OUTPUT:
+            if _first_line(matcher.get_error()).startswith(_NO_OUTPUT):
                 raise StructuredOutputError(
                     f"SamplingParams.structured.{kind} admits no output: expected a constraint "
                     "that some text satisfies"
@@ -160,14 +160,16 @@ class GrammarMatcher:
         return bool(self._matcher.is_stopped()) and not self._matcher.is_error()
 
     def error(self) -> str | None:
-        """The matcher's error (first line), or None."""
+        """The matcher's error, or None."""
         if not self._matcher.is_error():
             return None
         return _first_line(self._matcher.get_error())
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """llguidance's error message without the matcher state it appends, on one line."""
+    lines = [line.strip() for line in message.split("<state>")[0].splitlines() if line.strip()]
+    return " ".join(lines)[:400] or "unknown error"
 
 
 def apply_token_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
