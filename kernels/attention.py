@@ -13,6 +13,10 @@ Two paths share that contract:
   so one long sequence still spreads its KV reads over the whole GPU. The split count depends only
   on shapes, never on sequence lengths, so a CUDA graph captured once stays right for any context.
 
+A sliding window (window > 0) limits each query at position p to keys at positions
+p - window < n <= p (its last `window` positions, itself included; transformers' Mistral
+convention); both paths skip the KV tiles wholly before it. 0 means full causal attention.
+
 FP8 caches are dequantized on load: k_scale folds into the score scale and v_scale into the
 output. Rows past query_start_loc[-1] (graph padding) are left as they are.
 """
@@ -31,6 +35,8 @@ _LOG2E = math.log2(math.e)
 # Running max starts finite: a row with every key masked so far then keeps weight 0 instead of
 # computing exp2(-inf - -inf) = NaN (it happens in splits past a verify row's causal limit).
 _NEG_BIG = -1.0e30
+# The kernels' window when there is none: wider than any context, so `n > q_pos - window` holds.
+_NO_WINDOW = 1 << 30
 
 # Launch settings, from a sweep on an H200 (Triton 3.6, Qwen3-8B layer shapes). Decode rows are
 # query_len * heads-per-KV-head, padded to 16 (tl.dot's minimum).
@@ -49,7 +55,7 @@ SPLITS_PER_SM = 2  # decode programs per SM the split count aims for
 @jit
 def _attend(
     q,  # [ROWS, DIM_PAD] in q's dtype
-    q_pos,  # [ROWS] position of each row's token: it sees keys at positions <= q_pos
+    q_pos,  # [ROWS] position of each row's token: it sees keys in (q_pos - window, q_pos]
     m_i,  # [ROWS] fp32 running max of scaled scores (log2 units)
     l_i,  # [ROWS] fp32 running softmax denominator
     acc,  # [ROWS, DIM_PAD] fp32 running unnormalized output
@@ -60,6 +66,7 @@ def _attend(
     kv_end,
     qk_scale,
     cache_kv_stride,
+    window,  # sliding window (_NO_WINDOW when none)
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -80,7 +87,8 @@ def _attend(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        visible = visible & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -130,6 +138,7 @@ def _varlen_kernel(
     k_scale_ptr,
     v_scale_ptr,
     scale,
+    window,
     num_reqs,
     stride_qt,
     stride_qh,
@@ -191,10 +200,13 @@ def _varlen_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Keys past the last row's position are masked for every row of this block: stop there.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    # Keys before the first row's window are masked for every row: start there.
+    kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend(
-        q, q_pos, m_i, l_i, acc, cache_ptr, table, kv_head, 0, kv_end, qk_scale, cache_kv_stride,
-        BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION, STAGES,
+        q, q_pos, m_i, l_i, acc, cache_ptr, table, kv_head, kv_start, kv_end, qk_scale,
+        cache_kv_stride, window, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION,
+        STAGES,
     )  # fmt: skip
     _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
                HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
@@ -214,6 +226,7 @@ def _decode_kernel(
     k_scale_ptr,
     v_scale_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -242,9 +255,11 @@ def _decode_kernel(
     q_start = tl.load(query_start_ptr + req)
     query_len = tl.load(query_start_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
-    # Each split takes a whole number of BLOCK_N tiles; trailing splits may get none.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * chunk
+    # The splits share the keys some row sees: from the first row's window on. Each split takes
+    # a whole number of BLOCK_N tiles; trailing splits may get none.
+    kv_lo = tl.maximum(seq_len - query_len + 1 - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = kv_lo + split * chunk
     kv_end = tl.minimum(seq_len, kv_start + chunk)
     if NUM_SPLITS > 1:
         if kv_start >= kv_end:
@@ -267,7 +282,8 @@ def _decode_kernel(
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend(
         q, q_pos, m_i, l_i, acc, cache_ptr, table, kv_head, kv_start, kv_end, qk_scale,
-        cache_kv_stride, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION, STAGES,
+        cache_kv_stride, window, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION,
+        STAGES,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -290,6 +306,7 @@ def _merge_splits_kernel(
     seq_lens_ptr,
     query_start_ptr,
     v_scale_ptr,
+    window,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -306,12 +323,14 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     tok = tl.program_id(2)
     q_start = tl.load(query_start_ptr + req)
-    if tok >= tl.load(query_start_ptr + req + 1) - q_start:
+    query_len = tl.load(query_start_ptr + req + 1) - q_start
+    if tok >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     # The splits the decode kernel wrote (same arithmetic as there).
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    num_active = tl.cdiv(seq_len, tl.maximum(chunk, 1))
+    kv_lo = tl.maximum(seq_len - query_len + 1 - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    num_active = tl.cdiv(seq_len - kv_lo, tl.maximum(chunk, 1))
     s = tl.arange(0, SPLITS_PAD)
     s_ok = s < num_active
     row = (q_start + tok).to(tl.int64)
@@ -387,6 +406,7 @@ def _paged_attention_op(
     v_scale: torch.Tensor,
     max_query_len: int,
     num_splits: int,
+    window: int = 0,
 ) -> None:
     check_device(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -395,6 +415,7 @@ def _paged_attention_op(
         return
     _, _, page, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    window = window if window > 0 else _NO_WINDOW
     dim_pad = max(16, next_pow2(head_dim))
     common = dict(
         PAGE=page,
@@ -424,13 +445,14 @@ def _paged_attention_op(
             ]
         _decode_kernel[(num_reqs, num_kv_heads, splits)](
             q, kv_cache, out, *parts, block_table, seq_lens, query_start_loc, k_scale, v_scale,
-            scale, *strides, kv_cache.stride(0),
+            scale, window, *strides, kv_cache.stride(0),
             GROUP=group, ROWS=rows, NUM_SPLITS=splits, BLOCK_N=DECODE_BLOCK_N, **common,
             STAGES=DECODE_STAGES, num_warps=DECODE_WARPS,
         )  # fmt: skip
         if splits > 1:
             _merge_splits_kernel[(num_reqs, num_heads, max_query_len)](
-                out, *parts, seq_lens, query_start_loc, v_scale, out.stride(0), out.stride(1),
+                out, *parts, seq_lens, query_start_loc, v_scale, window, out.stride(0),
+                out.stride(1),
                 NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
                 BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
                 IS_FP8=common["IS_FP8"], num_warps=4, **pdl_args(q.device),
@@ -445,7 +467,7 @@ def _paged_attention_op(
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _varlen_kernel[grid](
         q, kv_cache, out, block_table, seq_lens, query_start_loc, k_scale, v_scale, scale,
-        num_reqs, *strides, kv_cache.stride(0),
+        window, num_reqs, *strides, kv_cache.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=VARLEN_BLOCK_N, **common, STAGES=VARLEN_STAGES, num_warps=VARLEN_WARPS,
     )  # fmt: skip
@@ -453,7 +475,7 @@ def _paged_attention_op(
 
 @_paged_attention_op.register_fake
 def _(q, kv_cache, block_table, seq_lens, query_start_loc, out, scale, k_scale, v_scale,
-      max_query_len, num_splits) -> None:  # fmt: skip
+      max_query_len, num_splits, window=0) -> None:  # fmt: skip
     return None
 
 
@@ -469,13 +491,14 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
     num_splits: int = 0,  # decode path's context splits; 0 picks by shape
+    window: int = 0,  # sliding window: keys in (p - window, p] for a query at p; 0 = none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention for a mixed batch; writes and returns `out` (allocated if None)."""
     out = torch.empty_like(q) if out is None else out
     _check(q, kv_cache, block_table, seq_lens, query_start_loc, out)
     torch.ops.libkk.paged_attention(
         q, kv_cache, block_table, seq_lens, query_start_loc, out, scale, k_scale, v_scale,
-        max_query_len, num_splits,
+        max_query_len, num_splits, window,
     )  # fmt: skip
     return out
 
@@ -492,6 +515,7 @@ def paged_attention_ref(
     max_query_len: int,
     out: torch.Tensor | None = None,
     num_splits: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Torch reference of `paged_attention`: one fp32 softmax per request, straight from the math.
 
@@ -519,7 +543,10 @@ def paged_attention_ref(
         queries = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, query_len, head_dim]
         scores = queries @ keys.transpose(1, 2) * scale  # [num_heads, query_len, seq_len]
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window > 0:
+            visible &= k_pos > q_pos - window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[q_start:q_end] = (probs @ values).transpose(0, 1).to(q.dtype)
     return out

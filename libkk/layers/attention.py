@@ -4,6 +4,10 @@ The layer writes the step's new K/V into its paged cache by slot mapping, then a
 request's queries over its whole context (cached + new, causal within the new tokens, GQA). The
 backend is chosen once per process; the torch reference runs anywhere and is the CPU path.
 
+A layer with a sliding window W lets a query at position p see keys at positions p - W < n <= p
+(transformers' Mistral convention). The cache still keeps every block of a request: blocks wholly
+before the window are only skipped, never freed.
+
 FP8 (e4m3) caches hold k / k_scale and v / v_scale, saturated at +-448, and reads multiply back.
 Each layer owns its [1] fp32 k_scale / v_scale (1.0 unless a checkpoint brings them or the layer
 calibrates them from the first prefill it stores); other cache dtypes ignore the scales.
@@ -31,7 +35,8 @@ class AttentionBackend(abc.ABC):
 
     Invariants: `forward` first stores k/v at `metadata.slot_mapping` (rows mapped to the null
     block's slots are padding and may be written there, never elsewhere), then returns the output
-    for every query row; rows of different requests never see each other.
+    for every query row; rows of different requests never see each other. `window` > 0 limits a
+    query at position p to keys in (p - window, p]; 0 is full causal attention.
     """
 
     @abc.abstractmethod
@@ -45,6 +50,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] fp32, FP8 caches only; None: 1.0
         v_scale: torch.Tensor | None = None,  # [1] fp32
+        window: int = 0,  # sliding window; 0: none
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -60,6 +66,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """`forward` after the prologue's norms and rotation of q and k. A backend may fuse
         them with the KV store; this one applies them first."""
@@ -67,7 +74,7 @@ class AttentionBackend(abc.ABC):
         n, d = q.shape[0], prologue.head_dim
         return self.forward(
             q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d), kv_cache, metadata, scale,
-            k_scale, v_scale,
+            k_scale, v_scale, window,
         )  # fmt: skip
 
 
@@ -162,10 +169,10 @@ class TorchAttentionBackend(AttentionBackend):
     else runs one SDPA call per request, with a causal mask over its new tokens.
     """
 
-    def forward(self, q, k, v, kv_cache, metadata, scale, k_scale=None, v_scale=None):
+    def forward(self, q, k, v, kv_cache, metadata, scale, k_scale=None, v_scale=None, window=0):
         store_kv(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1 and metadata.num_reqs > 1:
-            return self._decode(q, kv_cache, metadata, scale, k_scale, v_scale)
+            return self._decode(q, kv_cache, metadata, scale, k_scale, v_scale, window)
         block_size = metadata.block_size
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_cpu
@@ -176,9 +183,12 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             # A single query sees its whole context; queries with no cached context are plain
             # causal (SDPA then skips the masked half) and their keys are this step's own;
-            # otherwise the context comes from the cache, with an explicit mask.
-            mask, causal = None, query_len > 1 and query_len == seq_len
-            if causal:
+            # otherwise the context comes from the cache, with an explicit mask. A window that
+            # hides keys makes the mask explicit in every case.
+            windowed = 0 < window < seq_len
+            mask, causal = None, query_len > 1 and query_len == seq_len and not windowed
+            own_keys = query_len == seq_len
+            if own_keys:
                 keys, values = k[q_start:q_end], v[q_start:q_end]  # [seq_len, kv_heads, dim]
                 if is_fp8(kv_cache):  # what the cache holds, as the kernels read it
                     keys = dequantize(quantize_fp8(keys, k_scale), k_scale, q.dtype)
@@ -190,10 +200,14 @@ class TorchAttentionBackend(AttentionBackend):
             # [num_kv_heads, seq_len, head_dim]
             keys = dequantize(keys, k_scale, q.dtype).transpose(0, 1)
             values = dequantize(values, v_scale, q.dtype).transpose(0, 1)
-            if query_len > 1 and not causal:
-                # Query row r sits at position seq_len - query_len + r and sees keys up to it.
+            if (query_len > 1 and not causal) or windowed:
+                # Query row r sits at position seq_len - query_len + r and sees keys up to it
+                # (and, with a window, after q_pos - window).
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+                k_pos = torch.arange(seq_len, device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if windowed:
+                    mask &= k_pos > q_pos - window
             # NOTE: 4-D inputs (a batch of one): CPU SDPA runs its fused kernel on them, but the
             # slow math path on 3-D ones (5x at 1.5K tokens).
             out[q_start:q_end] = F.scaled_dot_product_attention(
@@ -208,7 +222,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, metadata, scale, k_scale, v_scale):
+    def _decode(q, kv_cache, metadata, scale, k_scale, v_scale, window=0):
         num_reqs = metadata.num_reqs
         max_blocks = -(-metadata.max_seq_len // metadata.block_size)
         blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
@@ -220,10 +234,11 @@ class TorchAttentionBackend(AttentionBackend):
         values = dequantize(values, v_scale, q.dtype).transpose(1, 2)
         # Slots past each request's length hold whatever was there (maybe NaN, and masked
         # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.
-        mask = (
-            torch.arange(keys.shape[2], device=q.device)[None, :]
-            < metadata.seq_lens.to(q.device)[:, None]
-        )  # [num_reqs, max_len]
+        k_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        seq_lens = metadata.seq_lens.to(q.device)[:, None]
+        mask = k_pos < seq_lens  # [num_reqs, max_len]
+        if window > 0:  # the one query sits at seq_len - 1
+            mask &= k_pos >= seq_lens - window
         invalid = ~mask[:, None, :, None]
         keys.masked_fill_(invalid, 0.0)
         values.masked_fill_(invalid, 0.0)
@@ -262,13 +277,23 @@ class Attention(IndexedLayer):
     are the layer's FP8 cache scales: their storage never changes (CUDA graphs read them by
     address), so every update fills them in place. A model whose q and k are normalized and
     rotated right before attention (Qwen3) sets `qk_norm_rope` and passes the step's positions:
-    the layer applies them, so the backend can fuse them with the KV store.
+    the layer applies them, so the backend can fuse them with the KV store. `sliding_window` W
+    (None: full attention) lets a query at position p see keys at positions p - W < n <= p.
     """
 
     layer_kind = "attention"
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
@@ -277,6 +302,9 @@ class Attention(IndexedLayer):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        # NOTE: the window only masks keys; every KV block of a request stays allocated.
+        self.window = sliding_window or 0  # what the backends take; 0: none
         self.kv_cache: torch.Tensor | None = None
         # Not persistent: they are no model weights (a checkpoint's scales are read by the loader).
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
@@ -338,7 +366,7 @@ class Attention(IndexedLayer):
             else:
                 out = backend.forward_qk_norm_rope(
                     q, k, v, self.qk_norm_rope, positions, self.kv_cache, metadata, self.scale,
-                    self.k_scale, self.v_scale,
+                    self.k_scale, self.v_scale, self.window,
                 )  # fmt: skip
                 return out.reshape(n, self.num_heads * self.head_dim)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -347,7 +375,7 @@ class Attention(IndexedLayer):
         if self.calibration_pending:
             self._calibrate(k, v, metadata)
         out = backend.forward(
-            q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale
+            q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale, self.window
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

@@ -4,6 +4,9 @@ The inverse frequencies and the cos/sin table are computed on the CPU in fp32 wi
 operations as `transformers.modeling_rope_utils` (whatever the target device, so every device
 gets the same table), so fp32 parity holds to rounding. The table
 covers positions [0, max_position); the model runner never schedules a position past it.
+
+Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) rotates the first
+int(head_dim * factor) dims of each head and passes the rest through, as transformers does.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 
 from libkk.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -28,16 +31,25 @@ class RopeConfig:
 
     rope_type: str = "default"
     theta: float = 10000.0
-    factor: float = 1.0  # linear, llama3, yarn
-    original_max_position_embeddings: int | None = None  # llama3, yarn
+    factor: float = 1.0  # linear, llama3, yarn, longrope
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: scale on cos/sin; None = from factor/mscale
+    # yarn, longrope: scale on cos/sin; None = from factor (and mscale)
+    attention_factor: float | None = None
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dims
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original
+    long_factor: tuple[float, ...] = ()  # longrope: ... and past it (rotary_dim // 2 each)
+    # longrope: use long_factor for every position (the table spans past the original context).
+    use_long_factor: bool = False
+    partial_rotary_factor: float = 1.0  # rotary dims = int(head_dim * partial_rotary_factor)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
 
 def compute_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -53,6 +65,8 @@ def compute_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(rope, inv_freq), 1.0
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope, dim)
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(rope, dim)
     raise UnsupportedModelError(
         f"rope type {rope.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -116,6 +130,35 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3, Phi-4): each frequency divided by its short or long factor; cos/sin
+    scaled by sqrt(1 + log(factor) / log(original_max)) unless the config gives the factor.
+
+    transformers picks the long factors for a whole forward when its largest position + 1
+    exceeds original_max_position_embeddings, else the short ones, so one sequence's keys change
+    rotation as it grows. A paged cache keeps keys rotated once, so here the choice is made once
+    per model (`use_long_factor`: the position table reaches past the original context); a
+    sequence longer than the original context matches transformers exactly.
+    """
+    assert rope.original_max_position_embeddings is not None
+    original_max = rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        factor = rope.factor
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+        )
+    ext = rope.long_factor if rope.use_long_factor else rope.short_factor
+    if len(ext) != dim // 2:
+        raise UnsupportedModelError(
+            f"longrope factors have {len(ext)} entries; rotary dim {dim} needs {dim // 2}"
+        )
+    ext_factors = torch.tensor(ext, dtype=torch.float32, device="cpu")
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (ext_factors * rope.theta**inv_freq_shape)
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat q/k rows by position, from a precomputed cos/sin table.
 
@@ -128,13 +171,19 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.rope = rope
-        inv_freq, attention_scaling = compute_inv_freq(rope, head_dim)  # [head_dim // 2]
+        self.rotary_dim = rope.rotary_dim(head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise UnsupportedModelError(
+                f"rotary dim {self.rotary_dim} of head_dim {head_dim} must be even and positive"
+            )
+        # [rotary_dim // 2]
+        inv_freq, attention_scaling = compute_inv_freq(rope, self.rotary_dim)
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim // 2]
         # HF scales cos and sin by the attention factor (YaRN mscale) before the rotation.
         cos = freqs.cos() * attention_scaling
         sin = freqs.sin() * attention_scaling
-        cos_sin = torch.cat([cos, sin], dim=-1)  # [max_position, head_dim]
+        cos_sin = torch.cat([cos, sin], dim=-1)  # [max_position, rotary_dim]
         self.register_buffer(
             "cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False
         )
@@ -146,20 +195,26 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # NOTE: HF casts cos/sin to the activation dtype before rotating; do the same.
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, head_dim]
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, rotary_dim]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         x = x.view(num_tokens, -1, self.head_dim)  # [T, heads, head_dim]
-        x1, x2 = x.chunk(2, dim=-1)  # [T, heads, head_dim // 2] each
+        x_pass = None
+        if self.rotary_dim < self.head_dim:
+            x, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = x.chunk(2, dim=-1)  # [T, heads, rotary_dim // 2] each
         # Same products and sums as HF's `x * cos + rotate_half(x) * sin`.
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.view(num_tokens, -1)
+        if x_pass is not None:
+            out = torch.cat([out, x_pass], dim=-1)
+        return out.reshape(num_tokens, -1)
 
     def extra_repr(self) -> str:
         return (
-            f"head_dim={self.head_dim}, max_position={self.max_position}, "
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}, "
             f"rope_type={self.rope.rope_type!r}, theta={self.rope.theta}"
         )

@@ -38,6 +38,9 @@ class ArchConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # Every layer's attention window (Mistral, Phi-3): a query at p sees keys in (p - W, p].
+    # None: full causal attention.
+    sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -126,6 +129,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -149,8 +154,11 @@ def _base(
     default_eps: float,
     default_max_position: int,
     default_head_dim: int | None = None,
+    partial_rotary: bool = False,
 ) -> dict[str, Any]:
-    """Fields every family has; `default_head_dim` None means hidden_size // num_heads."""
+    """Fields every family has; `default_head_dim` None means hidden_size // num_heads.
+    `partial_rotary`: the family's RoPE may rotate part of each head (else the field is refused).
+    """
     hidden = f.int("hidden_size")
     num_heads = f.int("num_attention_heads")
     num_kv_heads = f.get("num_key_value_heads") or num_heads
@@ -175,14 +183,16 @@ def _base(
         max_position_embeddings=max_position,
         rms_norm_eps=f.float("rms_norm_eps", default_eps),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        rope=_rope(f, default_theta, max_position),
+        rope=_rope(f, default_theta, max_position, partial_rotary),
         bos_token_id=f.get("bos_token_id"),
         eos_token_ids=eos_ids,
         checkpoint_dtype=f.get("dtype") or f.get("torch_dtype"),
     )
 
 
-def _rope(f: _Fields, default_theta: float, max_position: int) -> RopeConfig:
+def _rope(
+    f: _Fields, default_theta: float, max_position: int, partial_rotary: bool = False
+) -> RopeConfig:
     params = f.get("rope_parameters") or f.get("rope_scaling") or {}
     key = "rope_parameters" if f.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
@@ -190,24 +200,54 @@ def _rope(f: _Fields, default_theta: float, max_position: int) -> RopeConfig:
     if params and all(isinstance(v, dict) for v in params.values()):
         raise f.unsupported(f"{key} per layer type")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and "long_factor" in params:
+        rope_type = "longrope"  # older Phi-3 spellings (transformers maps them the same way)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise f.unsupported(
             f"{key}.rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     partial = params.get("partial_rotary_factor", f.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise f.unsupported(f"partial_rotary_factor {partial!r}")
+        if not partial_rotary:
+            raise f.unsupported(f"partial_rotary_factor {partial!r}")
+        if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial:
+            raise f._bad("partial_rotary_factor", partial, "a number in (0, 1]")
+    partial = float(partial or 1.0)
     p = _Fields(params, f"{f.source}: {key}")
     theta = p.float("rope_theta", f.float("rope_theta", default_theta))
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig(rope_type="linear", theta=theta, factor=p.float("factor"))
+        return RopeConfig(
+            rope_type="linear", theta=theta, factor=p.float("factor"), partial_rotary_factor=partial
+        )
     # NOTE: like transformers, a top-level original_max_position_embeddings wins over the nested
     # one, and max_position_embeddings stands in when neither is given.
     original = f.get("original_max_position_embeddings")
     if original is None:
         original = params.get("original_max_position_embeddings", max_position)
+    if rope_type == "longrope":
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            value = params.get(name)
+            if not isinstance(value, list) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in value
+            ):
+                raise p._bad(name, value, "a list of numbers")
+            factors[name] = tuple(float(x) for x in value)
+        factor = params.get("factor")
+        attention_factor = params.get("attention_factor")
+        return RopeConfig(
+            rope_type="longrope",
+            theta=theta,
+            factor=float(factor) if factor is not None else max_position / int(original),
+            original_max_position_embeddings=int(original),
+            attention_factor=float(attention_factor) if attention_factor is not None else None,
+            short_factor=factors["short_factor"],
+            long_factor=factors["long_factor"],
+            use_long_factor=max_position > int(original),
+            partial_rotary_factor=partial,
+        )
     if rope_type == "llama3":
         return RopeConfig(
             rope_type="llama3",
@@ -216,6 +256,7 @@ def _rope(f: _Fields, default_theta: float, max_position: int) -> RopeConfig:
             low_freq_factor=p.float("low_freq_factor"),
             high_freq_factor=p.float("high_freq_factor"),
             original_max_position_embeddings=int(original),
+            partial_rotary_factor=partial,
         )
     # yarn
     factor = params.get("factor")
@@ -232,6 +273,7 @@ def _rope(f: _Fields, default_theta: float, max_position: int) -> RopeConfig:
         mscale=float(mscale) if mscale else None,
         mscale_all_dim=float(mscale_all_dim) if mscale_all_dim else None,
         truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=partial,
     )
 
 
@@ -242,6 +284,17 @@ def _check_sliding_window(f: _Fields, enabled: bool, max_position: int) -> None:
             f"sliding window attention (sliding_window {window} < max_position_embeddings "
             f"{max_position})"
         )
+
+
+def _sliding_window(f: _Fields, default: int | None, max_position: int) -> int | None:
+    """The window every layer attends over; None when absent or no narrower than the positions
+    the model takes (then it hides nothing)."""
+    window = f.get("sliding_window", default)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise f._bad("sliding_window", window, "null or an integer >= 1")
+    return window if window < max_position else None
 
 
 # --- families --------------------------------------------------------------------------------
@@ -324,10 +377,37 @@ def _mixtral(f: _Fields, architecture: str) -> ArchConfig:
     )
 
 
+def _mistral(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=4096 * 32
+    )
+    if f.get("layer_types") is not None:
+        raise f.unsupported("layer_types (per-layer attention kinds)")
+    # MistralConfig's default window is 4096; a config written with null has none.
+    window = _sliding_window(f, 4096, base["max_position_embeddings"])
+    return ArchConfig(**base, sliding_window=window)
+
+
+def _phi3(f: _Fields, architecture: str) -> ArchConfig:
+    base = _base(
+        f,
+        architecture,
+        default_theta=10000.0,
+        default_eps=1e-5,
+        default_max_position=4096,
+        partial_rotary=True,
+    )
+    window = _sliding_window(f, None, base["max_position_embeddings"])
+    # Phi-3 has no biases; its checkpoints store q/k/v and gate/up already stacked.
+    return ArchConfig(**base, sliding_window=window)
+
+
 _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "LlamaForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "MixtralForCausalLM": _mixtral,
+    "MistralForCausalLM": _mistral,
+    "Phi3ForCausalLM": _phi3,
 }

@@ -71,7 +71,11 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb  # shared by all layers; one cos/sin table per model
         self.attn = Attention(
-            self.num_heads, config.head_dim, self.num_kv_heads, scale=config.head_dim**-0.5
+            self.num_heads,
+            config.head_dim,
+            self.num_kv_heads,
+            scale=config.head_dim**-0.5,
+            sliding_window=config.sliding_window,
         )
 
     def forward(

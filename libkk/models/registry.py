@@ -15,6 +15,8 @@ _MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "libkk.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "libkk.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "libkk.models.mixtral:MixtralForCausalLM",
+    "MistralForCausalLM": "libkk.models.mistral:MistralForCausalLM",
+    "Phi3ForCausalLM": "libkk.models.phi3:Phi3ForCausalLM",
 }
 
 

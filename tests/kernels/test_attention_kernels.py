@@ -299,3 +299,84 @@ def test_fp8_torch_backend_means_what_the_kernels_mean(batch):
     n = b.num_real_tokens
     kernel = paged_attention(*b.attention_args())
     torch.testing.assert_close(got[:n], kernel[:n], atol=2e-5, rtol=2e-5)
+
+
+# --- sliding windows ----------------------------------------------------------------------------
+
+
+def _windowed_reference_by_hand(b: PagedBatch, window: int) -> torch.Tensor:
+    """Full attention over only the keys in (p - window, p], one query row at a time: the
+    window's meaning restated without the reference's mask."""
+    page, num_kv_heads = b.kv_cache.shape[2], b.kv_cache.shape[3]
+    group = b.q.shape[1] // num_kv_heads
+    out = torch.zeros(b.num_real_tokens, *b.q.shape[1:], dtype=torch.float32, device=b.q.device)
+    starts = b.query_start_loc.tolist()
+    for i, (query_len, seq_len) in enumerate(zip(b.query_lens, b.seq_lens_list, strict=True)):
+        blocks = b.block_table[i, : -(-seq_len // page)].long()
+        keys = b.kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        values = b.kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1)
+        for r in range(query_len):
+            pos = seq_len - query_len + r
+            lo = max(0, pos - window + 1)
+            qr = b.q[starts[i] + r].float()  # [heads, dim]
+            scores = torch.einsum("hd,nhd->hn", qr, keys[lo : pos + 1]) * b.scale
+            out[starts[i] + r] = torch.einsum(
+                "hn,nhd->hd", scores.softmax(-1), values[lo : pos + 1]
+            )
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 1000])
+@pytest.mark.parametrize("batch", ["prefix-hit", "decode", "verify", "mixed"])
+def test_sliding_window_matches_reference(small_tiles, batch, window):
+    """Each query sees its last `window` positions, itself included; the kernels skip the tiles
+    before the window (16-key tiles: several of them are skipped in 70-token contexts)."""
+    b = _batch(batch, "gqa2", torch.float32, seed=13)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args(), window=window)
+    n = b.num_real_tokens
+    torch.testing.assert_close(want[:n].float(), _windowed_reference_by_hand(b, window))
+    got = paged_attention(*b.attention_args(), out=torch.full_like(b.q, float("nan")),
+                          window=window)  # fmt: skip
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+    if window == 1000:  # wider than every context: full attention
+        torch.testing.assert_close(want, paged_attention_ref(*b.attention_args()))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+@pytest.mark.parametrize("batch", ["decode", "verify"])
+def test_sliding_window_decode_splits(small_tiles, batch, num_splits):
+    b = _batch(batch, "gqa4", torch.float32, seed=14)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args(), window=7)
+    got = paged_attention(*b.attention_args(), num_splits=num_splits, window=7)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)
+def test_sliding_window_fp16_varlen(dtype):
+    b = _batch("mixed", "gqa3-d24", dtype, seed=15)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args(), window=9)
+    got = paged_attention(*b.attention_args(), window=9)
+    n = b.num_real_tokens
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("batch", ["prefill", "prefix-hit", "decode", "mixed"])
+def test_sliding_window_backends_match_reference(batch):
+    """The torch backend (the CPU path) and the Triton backend honour the window as the
+    reference op does."""
+    b = _batch(batch, "gqa2", torch.float32, seed=16)
+    cache_torch = b.kv_cache.clone()
+    meta = b.metadata()
+    got_triton = TritonAttentionBackend().forward(
+        b.q, b.k, b.v, b.kv_cache, meta, b.scale, window=6
+    )
+    got_torch = TorchAttentionBackend().forward(b.q, b.k, b.v, cache_torch, meta, b.scale, window=6)
+    want = paged_attention_ref(*b.attention_args(), window=6)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got_torch[:n], want[:n], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_triton[:n], want[:n], atol=2e-5, rtol=2e-5)

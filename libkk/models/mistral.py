@@ -1,0 +1,14 @@
+"""Mistral (and Ministral checkpoints that name MistralForCausalLM): Llama with a sliding window.
+
+Every layer attends over the last `sliding_window` positions (None: full attention), a setting of
+the ArchConfig that LlamaAttention hands to its Attention layer. The KV cache still keeps every
+block of a request; blocks that fell out of the window are skipped, not freed.
+"""
+
+from __future__ import annotations
+
+from libkk.models.llama import LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama module tree and arithmetic; the window comes from the ArchConfig."""
