@@ -74,6 +74,14 @@ TOKENS = SPECIALS + byte_alphabet() + ["Ġt", "he", "Ġthe", "ĠĠ", "<think>"]
 TYPES = [3, 3, 3] + [1] * 256 + [1, 1, 1, 1, 4]
 VOCAB = len(TOKENS)
 
+# A SentencePiece vocabulary as llama.cpp stores Llama 2 / Mistral ones: control and unknown
+# tokens, 256 byte-fallback tokens, then pieces with scores (higher merges first).
+SPM_PIECES = ["\u2581", "t", "h", "e", "l", "o", "w", "r", "d", "\u2581t", "he", "\u2581the", "ll", "\u2581he",
+              "llo", "\u2581hello", "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]  # fmt: skip
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+SPM_TYPES = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+SPM_SCORES = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+
 
 def write_tiny_gguf(
     path: Path,
@@ -83,6 +91,8 @@ def write_tiny_gguf(
     tied: bool = True,
     seed: int = 0,
     down_type: Q = Q.Q6_K,
+    spm: bool = False,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF in several quant types; returns the HF tensors the converter must
     produce (dequantized exactly as gguf does, q/k in HF row order)."""
@@ -97,16 +107,32 @@ def write_tiny_gguf(
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges(MERGES)
+    vocab = len(SPM_TOKENS) if spm else VOCAB
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_types(SPM_TYPES)
+        w.add_token_scores(SPM_SCORES)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+    else:
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(TOKENS)
+        w.add_token_types(TYPES)
+        w.add_token_merges(MERGES)
+        w.add_pad_token_id(2)
+        w.add_add_bos_token(False)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     w.add_chat_template(CHAT_TEMPLATE)
 
     expected: dict[str, np.ndarray] = {}
@@ -124,7 +150,7 @@ def write_tiny_gguf(
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.2
 
-    add("token_embd.weight", "model.embed_tokens.weight", rand(VOCAB, HIDDEN), Q.Q8_0)
+    add("token_embd.weight", "model.embed_tokens.weight", rand(vocab, HIDDEN), Q.Q8_0)
     for i in range(LAYERS):
         p, h = f"blk.{i}.", f"model.layers.{i}."
         add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + rand(HIDDEN), Q.F32)
@@ -149,7 +175,7 @@ def write_tiny_gguf(
         add(p + "ffn_down.weight", h + "mlp.down_proj.weight", rand(HIDDEN, INTER), down_type)
     add("output_norm.weight", "model.norm.weight", 1 + rand(HIDDEN), Q.F32)
     if not tied:
-        add("output.weight", "lm_head.weight", rand(VOCAB, HIDDEN), Q.Q8_0)
+        add("output.weight", "lm_head.weight", rand(vocab, HIDDEN), Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -328,15 +354,7 @@ def test_type_gguf_cannot_dequantize_is_refused(tmp_path: Path) -> None:
     unsupported = next(t for t in (Q.Q8_1, Q.Q8_K, Q.I8) if t not in _type_traits)
     block, size = gguf.GGML_QUANT_SIZES[unsupported]
     raw = np.zeros((HIDDEN, INTER // block * size), np.uint8)
-    w = gguf.GGUFWriter(str(tmp_path / "u.gguf"), "llama")
-    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=unsupported)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    # Swap that tensor into an otherwise valid model: rebuild the tiny model's tensors around it.
-    reader = gguf.GGUFReader(tmp_path / "u.gguf")
-    assert reader.tensors[0].tensor_type == unsupported
+    # An otherwise valid model with one tensor swapped for that type.
     write_tiny_gguf(tmp_path / "m.gguf")
     src = gguf.GGUFReader(tmp_path / "m.gguf")
     out = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
@@ -358,6 +376,81 @@ def test_type_gguf_cannot_dequantize_is_refused(tmp_path: Path) -> None:
     ):
         convert_gguf(tmp_path / "bad.gguf", tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "want"),
+    [
+        ("linear", {}, {"rope_type": "linear", "factor": 4.0}),
+        (
+            "yarn",
+            {"llama.rope.scaling.original_context_length": 64},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+    ],
+)
+def test_rope_scaling_metadata(
+    kind: str, extra: dict[str, Any], want: dict[str, Any], tmp_path: Path
+) -> None:
+    from libkk.models.arch_config import parse_arch_config
+
+    metadata = {"llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 4.0} | extra
+    write_tiny_gguf(tmp_path / "r.gguf", metadata=metadata)
+    convert_gguf(tmp_path / "r.gguf", tmp_path / "hf", progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_scaling"] == want
+    rope = parse_arch_config(config).rope
+    assert (rope.rope_type, rope.factor) == (kind, 4.0)
+
+
+def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "r.gguf", metadata={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: none, linear, yarn"):
+        convert_gguf(tmp_path / "r.gguf", tmp_path / "hf", progress=False)
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    """A llama-style SentencePiece vocabulary (scores, byte fallback, leading "▁") tokenizes as
+    transformers' GGUF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    write_tiny_gguf(tmp_path / "spm.gguf", spm=True)
+    convert_gguf(tmp_path / "spm.gguf", tmp_path / "hf", progress=False)
+    tok = Tokenizer.from_folder(tmp_path / "hf")
+    ids = {t: i for i, t in enumerate(SPM_TOKENS)}
+    assert tok.encode("hello world") == [1, ids["\u2581hello"], ids["\u2581world"]]
+    assert tok.encode("the") == [1, ids["\u2581the"]]
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ["hello world", "the hello", "héllo wörld 🤗", "two  spaces", "x\ny"]:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text, text
+    # NOTE: llama.cpp (like Llama 2's tokenizer.json) prepends "▁" even to text that starts with
+    # a space; transformers' GGUF converter (Metaspace, prepend_scheme "first") does not.
+    assert tok.encode(" the") == [1, ids["\u2581"], ids["\u2581the"]]
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["unk_token"]) == (
+        "<s>",
+        "</s>",
+        "<unk>",
+    )
+
+
+def test_qwen2_pre_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    """`tokenizer.ggml.pre` "qwen2" (single digits, llama-3-style words) as transformers' GGUF
+    tokenizer splits it."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "qwen2.gguf"
+    write_model_gguf(
+        tiny_hf_model("qwen2"), src, Q.F32, tokens=TOKENS, token_types=TYPES, merges=MERGES
+    )
+    convert_gguf(src, tmp_path / "hf", progress=False)
+    tok = Tokenizer.from_folder(tmp_path / "hf")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=src.name)
+    ids = {t: i for i, t in enumerate(TOKENS)}
+    assert tok.encode("  12") == [ids["\u0120"], ids["\u0120"], ids["1"], ids["2"]]
+    for text in ["  12 the he", "<|im_start|>user\nhi<|im_end|>", "it's 2024!!", "ß ✓ 🤗"]:
+        assert tok.encode(text) == ref.encode(text), text
 
 
 # ------------------------------------------------------------- every family, several qtypes

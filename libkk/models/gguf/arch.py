@@ -83,6 +83,9 @@ def _rope_scaling(meta: Metadata, p: str) -> dict[str, Any] | None:
         scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
         if (original := meta.get(p + "rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(original)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := meta.get(f"{p}rope.scaling.{key}")) is not None:
+                scaling[name] = float(value)
         return scaling
     raise UnsupportedModelError(
         f"GGUF rope scaling {kind!r} ({p}rope.scaling.type, factor {factor!r}) is not supported; "
