@@ -381,8 +381,8 @@ def _mistral(f: _Fields, architecture: str) -> ArchConfig:
     base = _base(
         f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=4096 * 32
     )
-    if f.get("layer_types") is not None:
-        raise f.unsupported("layer_types (per-layer attention kinds)")
+    # NOTE: like transformers' MistralModel, every layer takes the window: a `layer_types` list
+    # (alternating windows, the Ministral classes) is not read for this architecture.
     # MistralConfig's default window is 4096; a config written with null has none.
     window = _sliding_window(f, 4096, base["max_position_embeddings"])
     return ArchConfig(**base, sliding_window=window)

@@ -146,6 +146,20 @@ def test_prefill_logits_match_hf(saved, family: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
+@torch.no_grad()
+def test_bf16_tracks_hf_bf16(saved, family: str) -> None:
+    path, _ = saved(family)
+    kk, _ = load_model(path, torch.bfloat16, torch.device("cpu"), progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.bfloat16
+    ).eval()
+    logits = PagedKV(kk, dtype=torch.bfloat16).prefill_logits(PROMPTS)
+    for prompt, got in zip(PROMPTS, logits, strict=True):
+        want = hf(torch.tensor([prompt])).logits[0].float()
+        assert (got - want).abs().max().item() < 0.2
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
 def test_greedy_through_the_engine_matches_hf(saved, family: str) -> None:
     """32 greedy tokens: alone, batched, chunked (7-token steps) and from the prefix cache."""
     path, hf = saved(family)

@@ -11,7 +11,14 @@ import contextlib
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import libkk.models.loader as loader_mod
 from libkk.distributed import as_rank
@@ -132,6 +139,27 @@ def test_each_rank_loads_its_slices_and_reads_only_them(llama_dir, size):
         local = sum(t.numel() for t in mine.values())
         # Less than a full copy; at most this rank's parameters (padding rows are not read).
         assert read <= local < total
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_fused_phi3_projections_load_each_ranks_rows(tmp_path_factory, size):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each rank reads its rows of every part."""
+    path = tmp_path_factory.mktemp("tp-phi3")
+    config = Phi3Config(
+        vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Phi3ForCausalLM(config).save_pretrained(path)
+    full = _load(path, 0, 1)
+    for rank in range(size):
+        rec = _Recorder()
+        mine = _load(path, rank, size, rec)
+        assert mine.keys() == full.keys()
+        for name, value in mine.items():
+            assert torch.equal(value, _expected(full, name, rank, size)), (name, rank)
+        assert all("norm" in n for n in rec.whole), sorted(rec.whole)
 
 
 def test_kv_heads_are_replicated_when_fewer_than_ranks(llama_dir):
