@@ -3,7 +3,9 @@ in a chosen quantization type, and returns the weights a faithful importer must 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -60,6 +62,28 @@ def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator, std: float = 0.1) 
     return rng.integers(0, 256, size=(*w.shape[:-1], w.shape[-1] // block * size), dtype=np.uint8)
 
 
+def llama_cpp_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's `rope_freqs` for Llama-3 rope scaling."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low_freq_factor, high_freq_factor = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def block_size(qtype: Q) -> int:
     return gguf.GGML_QUANT_SIZES[qtype][0]
 
@@ -103,6 +127,9 @@ def write_model_gguf(
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
     w.add_rope_freq_base(float(theta or getattr(cfg, "rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if experts:
         w.add_expert_count(experts)

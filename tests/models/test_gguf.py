@@ -15,9 +15,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
-from gguf_helpers import encode, write_model_gguf
+from gguf_helpers import encode, llama_cpp_rope_freqs, write_model_gguf
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -453,6 +454,56 @@ def test_qwen2_pre_tokenizer_matches_transformers(tmp_path: Path) -> None:
         assert tok.encode(text) == ref.encode(text), text
 
 
+@pytest.mark.parametrize(
+    ("theta", "head_dim", "factor", "low", "high", "original"),
+    [
+        (500000.0, 128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1
+        (500000.0, 64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+        (10000.0, 16, 8.0, 1.0, 8.0, 1024),  # two middle frequencies
+        (10000.0, 16, 8.0, 1.0, 4.0, 256),  # one
+        (10000.0, 16, 4.0, 1.0, 4.0, 32),  # one, other side
+        (10000.0, 8, 4.0, 2.0, 4.0, 64),  # none
+    ],
+)
+def test_llama3_rope_recovered_from_rope_freqs(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> None:
+    """llama.cpp keeps Llama-3 rope scaling only as the `rope_freqs` divisors; the parameters
+    recovered from them give the same divisors (libkk's rotary tables and transformers' both)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from libkk.models.gguf.arch import _llama3_from_rope_freqs
+
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=theta,
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
+    freqs = llama_cpp_rope_freqs(rope, head_dim)
+    params = _llama3_from_rope_freqs(freqs, theta, head_dim, Path("x.gguf"))
+    assert params is not None and params["factor"] == factor
+
+    def inv_freq(p: dict[str, Any]) -> torch.Tensor:
+        config = transformers.LlamaConfig(
+            hidden_size=head_dim * 2,
+            num_attention_heads=2,
+            rope_parameters=p | {"rope_theta": theta},
+        )
+        return ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0]
+
+    torch.testing.assert_close(inv_freq(params), inv_freq(rope), rtol=1e-5, atol=0)
+
+
+def test_rope_freqs_of_unknown_form_is_refused() -> None:
+    from libkk.models.gguf.arch import _llama3_from_rope_freqs
+
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        _llama3_from_rope_freqs(np.array([1.0, 3.0, 2.0, 5.0]), 10000.0, 8, Path("x.gguf"))
+
+
 # ------------------------------------------------------------- every family, several qtypes
 
 _FAMILY_COMMON: dict[str, Any] = dict(
@@ -470,6 +521,20 @@ _FAMILY_COMMON: dict[str, Any] = dict(
 # family -> (transformers config class name, extra fields)
 GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=50000.0)),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            rope_scaling=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=8.0,
+                original_max_position_embeddings=1024,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_moe": (

@@ -93,6 +93,75 @@ def _rope_scaling(meta: Metadata, p: str) -> dict[str, Any] | None:
     )
 
 
+def _llama3_factors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
+    """llama.cpp's `rope_freqs` (per-frequency divisors) for Llama-3 rope scaling, as its
+    convert_hf_to_gguf.py computes them."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def _llama3_from_rope_freqs(
+    factors: np.ndarray, theta: float, head_dim: int, path: Path
+) -> dict[str, Any] | None:
+    """Llama-3 rope scaling parameters that reproduce llama.cpp's `rope_freqs` tensor.
+
+    The divisors depend on (low, high, original) only through the wavelengths original / high
+    and original / low, so `original_max_position_embeddings` is fixed at 8192 (Llama 3.1's) and
+    the two factors are fitted; the result is checked against the tensor.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    refuse = UnsupportedModelError(
+        f"GGUF {str(path)!r}: rope_freqs.weight {factors[:6].tolist()}... does not follow "
+        "Llama-3 rope scaling; other per-frequency rope factors are not supported"
+    )
+    if factors.shape != wavelen.shape or not np.isfinite(factors).all():
+        raise refuse
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    original = 8192.0
+    ones = np.flatnonzero(np.isclose(factors, 1.0, rtol=1e-5))
+    full = np.flatnonzero(np.isclose(factors, factor, rtol=1e-5))
+    mid = np.flatnonzero(~np.isclose(factors, 1.0, rtol=1e-5) & ~np.isclose(factors, factor))
+    if not len(ones) or not len(full):
+        raise refuse
+    # smooth = original / (high - low) / wavelen - low / (high - low) on the middle band.
+    smooth = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    if len(mid) >= 2:
+        slope, offset = np.polyfit(1.0 / wavelen[mid], smooth, 1)
+    else:
+        # The band's edge (smooth = 1) between the last undivided and the next wavelength; with
+        # one middle wavelength the line goes through it, with none it drops to 0 before the
+        # first fully divided one.
+        edge = np.sqrt(wavelen[ones[-1]] * wavelen[ones[-1] + 1])
+        x0, y0 = 1.0 / edge, 1.0
+        x1 = 1.0 / wavelen[mid[0]] if len(mid) else 1.0 / np.sqrt(edge * wavelen[full[0]])
+        y1 = smooth[0] if len(mid) else 0.0
+        slope = (y0 - y1) / (x0 - x1)
+        offset = y0 - slope * x0
+    if slope <= 0 or offset >= 0:
+        raise refuse
+    width = original / slope  # high - low
+    low = -offset * width
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(low + width),
+        "original_max_position_embeddings": int(original),
+    }
+    got = _llama3_factors(theta, head_dim, factor, low, low + width, original)
+    if not np.allclose(got, factors, rtol=1e-4, atol=1e-6):
+        raise refuse
+    return params
+
+
 def build_config(meta: Metadata, reader: Any, arch: str, family: Family) -> dict[str, Any]:
     """config.json for `family` from the `{arch}.*` metadata and the tensor shapes."""
     p = arch + "."
@@ -117,6 +186,15 @@ def build_config(meta: Metadata, reader: Any, arch: str, family: Family) -> dict
         raise CorruptCheckpointError("GGUF lacks the tensor 'token_embd.weight'")
     layers = meta.int(p + "block_count")
     max_position = meta.int(p + "context_length")
+    theta = float(meta.get(p + "rope.freq_base", 10000.0))
+    rope_scaling = _rope_scaling(meta, p)
+    if (freqs := tensors.get("rope_freqs.weight")) is not None:
+        if rope_scaling is not None or family.model_type != "llama":
+            raise UnsupportedModelError(
+                f"GGUF {str(meta.path)!r}: rope_freqs.weight is supported only for Llama-3 rope "
+                "scaling of the llama architecture"
+            )
+        rope_scaling = _llama3_from_rope_freqs(np.asarray(freqs.data), theta, head_dim, meta.path)
     config: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -127,8 +205,8 @@ def build_config(meta: Metadata, reader: Any, arch: str, family: Family) -> dict
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(meta.require(p + "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, p),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": max_position,
         "vocab_size": int(embed.shape[-1]),  # GGUF dims are [hidden, vocab]
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -282,6 +360,11 @@ def tensor_plan(
 
     for tensor in reader.tensors:
         name = tensor.name
+        if name == "rope_freqs.weight" and (config["rope_scaling"] or {}).get("rope_type") in (
+            "llama3",
+            None,
+        ):
+            continue  # folded into config.json's rope_scaling (build_config)
         if name in _GLOBAL:
             check(tensor, expected_global[name])
             order = (-1, 0) if name == "token_embd.weight" else (layers, 0 if "norm" in name else 1)
@@ -334,10 +417,9 @@ def tensor_plan(
                 order = (layer, 100 + e * 3 + _EXPERT_PROJ.index(proj))
                 plan.append((order, TensorPlan(hf, tensor, shapes[kind][1:], 0, expert=e)))
     if unknown:
-        hint = " (rope_freqs: llama-3 rope scaling)" if "rope_freqs.weight" in unknown else ""
         raise UnsupportedModelError(
             f"GGUF {str(path)!r} has tensors libkk's {family.architecture} converter does not "
-            f"know{hint}: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}"
+            f"know: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}"
         )
     required = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{kind}" for i in range(layers) for kind in shapes_by_layer[i]
