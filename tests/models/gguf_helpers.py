@@ -101,11 +101,13 @@ def write_model_gguf(
     merges: list[str],
     seed: int = 0,
     fallback: Q = Q.Q8_0,
+    per_expert: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Writes `model` (a transformers Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral) as GGUF; matrices in
     `qtype` (`fallback` where a row does not fill whole blocks, as llama.cpp does), norms, biases
     and routers in F32. Returns the model's state dict with every weight replaced by exactly what
-    the GGUF holds, in HF layout (q/k un-permuted)."""
+    the GGUF holds, in HF layout (q/k un-permuted). `per_expert`: one tensor per expert
+    (`blk.{i}.ffn_gate.{e}.weight`, older llama.cpp Mixtral exports) instead of stacked ones."""
     cfg = model.config
     model_type = cfg.model_type
     arch = {"qwen3_moe": "qwen3moe"}.get(model_type, _ARCH_KEYS.get(model_type, model_type))
@@ -167,6 +169,11 @@ def write_model_gguf(
             got = got.reshape(n_head, -1, 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
         return got
 
+    def add_experts(blk: str, proj: str, value: np.ndarray) -> np.ndarray:
+        if not per_expert:
+            return add(f"{blk}ffn_{proj}_exps.weight", value, True)
+        return np.stack([add(f"{blk}ffn_{proj}.{e}.weight", v, True) for e, v in enumerate(value)])
+
     for hf_name, tensor in model.state_dict().items():
         value = tensor.detach().float().numpy()
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -184,9 +191,12 @@ def write_model_gguf(
         blk = f"blk.{i}."
         if rest == "mlp.experts.gate_up_proj":
             inter = value.shape[1] // 2
-            gate = add(blk + "ffn_gate_exps.weight", value[:, :inter], True)
-            up = add(blk + "ffn_up_exps.weight", value[:, inter:], True)
+            gate = add_experts(blk, "gate", value[:, :inter])
+            up = add_experts(blk, "up", value[:, inter:])
             expected[hf_name] = torch.from_numpy(np.concatenate([gate, up], axis=1))
+            continue
+        if rest == "mlp.experts.down_proj":
+            expected[hf_name] = torch.from_numpy(add_experts(blk, "down", value))
             continue
         name = {
             "input_layernorm.weight": "attn_norm.weight",
@@ -204,7 +214,6 @@ def write_model_gguf(
             "mlp.up_proj.weight": "ffn_up.weight",
             "mlp.down_proj.weight": "ffn_down.weight",
             "mlp.gate.weight": "ffn_gate_inp.weight",
-            "mlp.experts.down_proj": "ffn_down_exps.weight",
         }[rest]
         matrix = value.ndim >= 2 and rest != "mlp.gate.weight"
         n_head = heads.get(parts[-2], 0) if permute and rest.endswith("weight") else 0

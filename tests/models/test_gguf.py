@@ -620,6 +620,34 @@ def test_family_gguf_runs_like_dequantized_reference(
     assert PagedKV(kk, block_size=4).greedy(prompt, 10) == ids[len(prompt) :]
 
 
+def test_per_expert_mixtral_export_converts_like_stacked(tmp_path: Path) -> None:
+    """Older llama.cpp Mixtral exports keep one `ffn_{gate,up,down}.{e}` tensor per expert."""
+    model = tiny_hf_model("mixtral")
+    for per_expert in (False, True):
+        src = tmp_path / f"{per_expert}.gguf"
+        write_model_gguf(
+            model,
+            src,
+            Q.Q8_0,
+            tokens=TOKENS,
+            token_types=TYPES,
+            merges=MERGES,
+            per_expert=per_expert,
+        )
+        convert_gguf(src, tmp_path / f"hf{per_expert}", progress=False)
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "True.gguf").tensors}
+    assert "blk.0.ffn_gate.3.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    stacked = load_file(tmp_path / "hfFalse" / "model.safetensors")
+    split = load_file(tmp_path / "hfTrue" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in split
+    assert set(split) == set(stacked)
+    for name, value in stacked.items():
+        np.testing.assert_array_equal(split[name], value, err_msg=name)
+    assert json.loads((tmp_path / "hfTrue" / "config.json").read_text()) == json.loads(
+        (tmp_path / "hfFalse" / "config.json").read_text()
+    )
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) -> None:
     """transformers' own GGUF reader (metadata keys, tensor names, q/k un-permute where it
