@@ -23,6 +23,10 @@ from torch import Tensor
 from libkk.errors import MissingDependencyError, StructuredOutputError
 from libkk.sample.params import StructuredOutput
 
+# JSON is written on one line, as json.dumps writes it: no free whitespace for the model to wander
+# in. A schema's "x-guidance" object may override these.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 # How llguidance's errors begin for a grammar with no continuation at all.
 _NO_OUTPUT = ("NoExtension", "NoExtensionBias")
 
@@ -79,9 +83,13 @@ class GrammarCompiler:
         kind = spec.kind
         try:
             if kind == "json_schema":
-                return llg.LLMatcher.grammar_from_json_schema(json.dumps(spec.json_schema))
+                return llg.LLMatcher.grammar_from_json_schema(
+                    json.dumps(spec.json_schema), defaults=_JSON_OPTIONS
+                )
             if kind == "json":
-                return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+                return llg.LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}', defaults=_JSON_OPTIONS
+                )
             if kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(spec.regex)
             if kind == "choice":

@@ -24,6 +24,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     - choice: a non-empty list of strings, the output being one of them;
     - grammar: a Lark grammar (llguidance's dialect) whose `start` rule the output must match.
 
+    JSON is written on one line with ", " and ": " between items (a schema's "x-guidance"
+    object may ask for other whitespace).
+
     The output ends (finish_reason "stop") once the constraint admits no further token; EOS is
     allowed only where it may end. Whether a schema, regex or grammar is valid (and admits some
     output) is checked when the request is submitted.
