@@ -70,11 +70,15 @@ class GrammarCompiler:
                 text = self._tokenizer_json
                 if isinstance(text, Path):
                     text = text.read_text(encoding="utf-8")
-                self._tokenizer = llg.LLTokenizer(
-                    text,
-                    n_vocab=self._vocab_size,
-                    eos_token=self._eos or None,
-                )
+                try:
+                    self._tokenizer = llg.LLTokenizer(
+                        text, n_vocab=self._vocab_size, eos_token=self._eos or None
+                    )
+                except (ValueError, TypeError) as e:
+                    raise StructuredOutputError(
+                        f"SamplingParams.structured: llguidance cannot read this model's "
+                        f"tokenizer.json ({e}): expected a byte-level or SentencePiece tokenizer"
+                    ) from None
             return self._tokenizer
 
     def grammar(self, spec: StructuredOutput) -> str:
