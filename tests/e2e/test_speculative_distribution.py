@@ -18,7 +18,7 @@ import torch
 from libkk import SamplingParams, Session
 
 _spec = importlib.util.spec_from_file_location(
-    "chi2", Path(__file__).resolve().parents[1] / "unit" / "chi2.py"
+    "chi2", Path(__file__).resolve().parents[1] / "unit" / "sample" / "chi2.py"
 )
 chi2 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(chi2)
