@@ -23,7 +23,7 @@ from libkk.errors import ConfigError
 from libkk.layers.attention import attention_backend, store_kv
 from libkk.layers.embedding import vocab_parallel_head
 from libkk.layers.forward_context import AttentionMetadata
-from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax
+from libkk.sample.sampler import Sampler
 from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
 from libkk.spec_decode.dflash_model import (
     SHIPPED_DRAFTER,
@@ -33,13 +33,15 @@ from libkk.spec_decode.dflash_model import (
     load_drafter,
     num_target_layers,
 )
-from libkk.spec_decode.logits import position_rows, process_logits
+from libkk.spec_decode.logits import draft_sampling_rows, position_rows
 from libkk.spec_decode.vocab_parallel import (
     ShardDrafts,
     row_covered,
     tp_gather,
     vocab_parallel_draft,
 )
+
+_SAMPLER = Sampler()  # stateless; drafts are drawn by the sampler that draws tokens
 
 
 @dataclass
@@ -408,25 +410,16 @@ class DFlashProposer(Proposer):
         return drafts, full_logits
 
     def _sample(self, logits: torch.Tensor, active: list) -> torch.Tensor:
-        """Drafts from [A, K, vocab] raw logits, position by position: row t is processed as the
-        verifier processes it (libkk.spec_decode.logits: penalties counting drafts 0..t-1 as output,
+        """Drafts from [A, K, vocab] raw logits, position by position, through the sampler: row
+        t is processed as the verifier processes it (penalties counting drafts 0..t-1 as output,
         then temperature and filters); greedy drafts take its argmax, probabilistic ones a keyed
-        Gumbel-max on the draft stream (position + DRAFT_POSITION_SALT)."""
+        Gumbel-max on the draft stream (`draft_sampling_rows`)."""
         num_req, k, _ = logits.shape
         drafts: list[list[int]] = [[] for _ in range(num_req)]
-        sampled = [j for j, a in enumerate(active) if self._samples(a[1])]
-        dev = logits.device
+        sampled = [self._samples(a[1]) for a in active]
         for t in range(k):
             rows = [position_rows(a[1].sampling, drafts[j], t + 1)[t] for j, a in enumerate(active)]
-            processed = process_logits(logits[:, t], rows)  # [A, vocab]
-            tokens = processed.argmax(dim=-1)  # [A]
-            if sampled:
-                idx = torch.tensor(sampled, device=dev)
-                seeds = torch.tensor([rows[j].seed for j in sampled], dtype=torch.int64)
-                positions = torch.tensor(
-                    [rows[j].position + DRAFT_POSITION_SALT for j in sampled], dtype=torch.int64
-                )
-                tokens[idx] = gumbel_argmax(processed[idx], seeds.to(dev), positions.to(dev))
+            tokens = _SAMPLER.sample(logits[:, t], draft_sampling_rows(rows, sampled)).token_ids
             for j, token in enumerate(tokens.tolist()):
                 drafts[j].append(token)
         return torch.tensor(drafts, dtype=torch.int64)

@@ -22,9 +22,11 @@ from torch import nn
 from libkk.errors import ConfigError
 from libkk.layers.forward_context import AttentionMetadata, set_forward_context
 from libkk.models.loader import load_model
-from libkk.sample.gumbel import DRAFT_POSITION_SALT, gumbel_argmax, gumbel_argmax_at
+from libkk.sample.sampler import Sampler
 from libkk.spec_decode.base import DraftProposal, Proposer, ProposeRequest
-from libkk.spec_decode.logits import position_rows, process_logits
+from libkk.spec_decode.logits import draft_sampling_rows, position_rows
+
+_SAMPLER = Sampler()  # stateless; drafts are drawn by the sampler that draws tokens
 
 
 def check_vocab_compatible(target_dir: Path | None, target_vocab: int, draft_dir: Path,
@@ -251,22 +253,8 @@ class DraftModelProposer(Proposer):
         raw: list[list[torch.Tensor]],
     ) -> None:
         rows = [position_rows(requests[i].sampling, drafts[i], step + 1)[step] for i in active]
-        processed = process_logits(logits, rows)  # [A, vocab]
-        tokens = processed.argmax(dim=-1)  # [A]
-        sampled = [j for j, i in enumerate(active) if self._samples(requests[i])]
-        dev = logits.device
-        for j in sampled:
-            seed = torch.tensor([rows[j].seed], dtype=torch.int64, device=dev)
-            pos = torch.tensor(
-                [rows[j].position + DRAFT_POSITION_SALT], dtype=torch.int64, device=dev
-            )
-            row = processed[j]  # [V]
-            kept = torch.isfinite(row).nonzero()[:, 0]  # [C]
-            if kept.numel() < row.numel() // 4:
-                # Filters left few tokens: hash those only (the same draw as the full row).
-                tokens[j] = gumbel_argmax_at(row[kept][None], kept[None], seed, pos)[0]
-            else:
-                tokens[j] = gumbel_argmax(row[None], seed, pos)[0]
+        sampled = [self._samples(requests[i]) for i in active]
+        tokens = _SAMPLER.sample(logits, draft_sampling_rows(rows, sampled)).token_ids  # [A]
         for j, (i, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
             drafts[i].append(token)
             raw[i].append(logits[j])

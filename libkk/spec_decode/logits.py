@@ -9,11 +9,14 @@ of their own logits, so q in the rejection test is the distribution the draft wa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import msgspec
 import torch
 from torch import Tensor
 
+from libkk.sample.gumbel import DRAFT_POSITION_SALT
 from libkk.sample.sampler import SamplingRow, apply_filters, apply_penalties
 
 
@@ -57,3 +60,19 @@ def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         idx = torch.tensor(random_rows, device=x.device)
         x[idx] = apply_filters(x[idx], [rows[i].params for i in random_rows])
     return x
+
+
+def draft_sampling_rows(rows: Sequence[SamplingRow], sampled: Sequence[bool]) -> list[SamplingRow]:
+    """The rows the sampler draws drafts with: a sampled draft on the draft stream (position +
+    DRAFT_POSITION_SALT: it never shares noise with the target's token), any other the argmax of
+    its processed logits (a greedy row: temperature and filters keep the argmax); no logprobs."""
+    out = []
+    for row, sample in zip(rows, sampled, strict=True):
+        if sample:
+            params = msgspec.structs.replace(row.params, logprobs=None)
+            position = row.position + DRAFT_POSITION_SALT
+        else:
+            params = msgspec.structs.replace(row.params, temperature=0.0, logprobs=None)
+            position = row.position
+        out.append(dataclasses.replace(row, params=params, position=position))
+    return out
