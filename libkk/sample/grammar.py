@@ -115,17 +115,17 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(tokenizer, self.grammar(spec), log_level=0)
         result = GrammarMatcher(matcher, tokenizer.vocab_size)
         if not matcher.is_error():
-            mask = result.next_mask()  # kept for the first sampling row
+            result.next_mask()  # kept for the first sampling row (errors show up here too)
         if matcher.is_error():
-            if _first_line(matcher.get_error()).startswith(_NO_OUTPUT):
+            if _error_text(matcher.get_error()).startswith(_NO_OUTPUT):
                 raise StructuredOutputError(
                     f"SamplingParams.structured.{kind} admits no output: expected a constraint "
                     "that some text satisfies"
                 )
             raise StructuredOutputError(
-                f"SamplingParams.structured.{kind} is invalid: {_first_line(matcher.get_error())}"
+                f"SamplingParams.structured.{kind} is invalid: {_error_text(matcher.get_error())}"
             )
-        if not bool(mask.any()):
+        if not bool(result.next_mask().any()):
             raise StructuredOutputError(
                 f"SamplingParams.structured.{kind} admits no output: no token may start it"
             )
@@ -175,10 +175,10 @@ class GrammarMatcher:
         """The matcher's error, or None."""
         if not self._matcher.is_error():
             return None
-        return _first_line(self._matcher.get_error())
+        return _error_text(self._matcher.get_error())
 
 
-def _first_line(message: str) -> str:
+def _error_text(message: str) -> str:
     """llguidance's error message without the matcher state it appends, on one line."""
     lines = [line.strip() for line in message.split("<state>")[0].splitlines() if line.strip()]
     return " ".join(lines)[:400] or "unknown error"
