@@ -558,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message (default: none)")
     _add_engine_args(chat)
     _add_sampling_args(chat)
+    _add_speculative_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     info = command(

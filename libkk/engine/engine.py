@@ -115,7 +115,7 @@ class Engine:
                 self.runner = self.executor.wrap(self.runner)
                 if proposer is not None:
                     proposer = self.executor.wrap_proposer(proposer)
-        with phases.phase("profile speculation costs"):
+        with phases.phase("profile speculation costs"):  # adaptive verification, backoff
             self.speculation = build_speculation(
                 config,
                 proposer,
@@ -126,7 +126,7 @@ class Engine:
                 device=self.device,
                 dtype=self.dtype,
             )
-        if not config.speculative.adaptive_verification:
+        if self.speculation.adaptive is None and self.speculation.backoff is None:
             del phases.laps["profile speculation costs"]
         self.outputs = OutputProcessor(self.tokenizer)
         self._stall_logged: set[str] = set()

@@ -23,6 +23,7 @@ requests; their state is removed afterwards).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from libkk.config import EngineConfig
+from libkk.distributed import get_tp_size
 from libkk.engine.request import Request, RequestStatus
 from libkk.engine.scheduler import Scheduler
 from libkk.layers.forward_context import null_prefill_metadata, set_forward_context
@@ -140,6 +142,67 @@ class AdaptiveDrafts:
         self._features.pop(request_id, None)
 
 
+@dataclasses.dataclass
+class _Backoff:
+    length: float  # the request's smoothed acceptance length
+    skip: int = 0  # steps left without drafts
+    wait: int = 0  # the next pause
+
+
+class DraftBackoff:
+    """Stops drafting for a request whose drafts do not pay for themselves, then looks again.
+
+    A request's acceptance length (tokens a verification emits) is smoothed over its
+    verifications; while it is below `break_even` (a step that drafts and verifies over a plain
+    step, in time, measured at start-up), the request drafts nothing for a pause that doubles each
+    time (FIRST_PAUSE up to MAX_PAUSE steps: looking costs ~1% of a long output), then drafts
+    once to look again. Decisions read the
+    request's own tokens and the session's break-even only, so a request drafts the same alone or
+    in any batch, and greedy output is the plain output whatever is decided.
+    """
+
+    WEIGHT = 0.5  # of a new verification in the smoothed length
+    FIRST_PAUSE, MAX_PAUSE = 8, 128
+
+    def __init__(self, break_even: float) -> None:
+        self.break_even = break_even
+        self._requests: dict[str, _Backoff] = {}
+
+    def wants_drafts(self, request_id: str) -> bool:
+        """Whether the request drafts for its next step (a paused one counts the step)."""
+        state = self._requests.get(request_id)
+        if state is None or state.skip == 0:
+            return True
+        state.skip -= 1
+        return False
+
+    def observe(self, request_id: str, num_emitted: int) -> None:
+        """A verification of the request's drafts emitted `num_emitted` tokens."""
+        # Until its first verification a request is taken to break even: it drafts, and one
+        # verification below the break-even pauses it.
+        state = self._requests.setdefault(request_id, _Backoff(length=self.break_even))
+        state.length += self.WEIGHT * (num_emitted - state.length)
+        if state.length < self.break_even:
+            state.wait = min(2 * state.wait, self.MAX_PAUSE) if state.wait else self.FIRST_PAUSE
+            state.skip = state.wait
+        else:
+            state.wait = 0
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+
+def break_even_length(cost: CostModel, num_speculative_tokens: int) -> float:
+    """The acceptance length at which drafting K tokens for one request pays: the time of a step
+    that drafts and verifies 1 + K tokens over a plain step's (captured graphs' times where the
+    steps replay graphs)."""
+    drafting = cost.step_ms(1, np.array([num_speculative_tokens]))
+    plain = cost.step_ms(1, np.array([0])) - float(cost.draft(1))
+    # Never below 1: a drafting step cheaper than a plain one is a timing fluke (then drafting
+    # always goes on).
+    return max(drafting / max(plain, 1e-9), 1.0)
+
+
 class Speculation:
     """The engine's one speculative-decoding component (see the module docstring)."""
 
@@ -151,9 +214,11 @@ class Speculation:
         num_speculative_tokens: int,
         max_model_len: int,
         vocab_size: int,
+        backoff: DraftBackoff | None = None,
     ) -> None:
         self.proposer = proposer
         self.adaptive = adaptive
+        self.backoff = backoff
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -171,6 +236,11 @@ class Speculation:
             self.drop(rid)
         if self.adaptive is not None:
             self.adaptive.observe(sched_out, runner_out)
+        if self.backoff is not None:
+            for scheduled in sched_out.requests:
+                tokens = runner_out.sampled_token_ids.get(scheduled.request_id)
+                if scheduled.num_spec_tokens and tokens:
+                    self.backoff.observe(scheduled.request_id, len(tokens))
         for rid, (start, hidden) in runner_out.aux_hidden.items():
             request = live.get(rid)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -185,7 +255,9 @@ class Speculation:
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
-            if max_drafts > 0:
+            if max_drafts > 0 and (
+                self.backoff is None or self.backoff.wants_drafts(request.request_id)
+            ):
                 # The live token list, not a copy (O(length) per request and step): proposers
                 # read it during the call only.
                 ask = ProposeRequest(
@@ -224,6 +296,8 @@ class Speculation:
         self.proposer.remove(request_id)
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
+        if self.backoff is not None:
+            self.backoff.forget(request_id)
 
     def stats(self, scheduler: Scheduler) -> dict[str, int | float]:
         """Drafts verified and accepted, and the mean acceptance length (tokens emitted per
@@ -241,7 +315,8 @@ class NoSpeculation(Speculation):
     """Speculation off: every call does nothing."""
 
     def __init__(self) -> None:
-        pass
+        self.proposer = None
+        self.adaptive = self.backoff = None
 
     def after_step(self, sched_out, runner_out, updated, live) -> None:  # noqa: ANN001
         pass
@@ -275,19 +350,25 @@ def build_speculation(
     spec = config.speculative
     if proposer is None:
         return NoSpeculation()
-    adaptive = None
-    if spec.adaptive_verification:
+    # Backoff and adaptive verification time steps on this rank alone: one process only.
+    backs_off = spec.draft_backoff and get_tp_size() == 1
+    cost = None
+    if spec.adaptive_verification or backs_off:
         cost = profile_costs(
             runner,
             proposer,
             num_speculative_tokens=spec.num_speculative_tokens,
-            max_num_seqs=config.scheduler.max_num_seqs,
+            # The backoff needs one request's costs only, and steadier figures.
+            max_num_seqs=config.scheduler.max_num_seqs if spec.adaptive_verification else 1,
             block_size=config.cache.block_size,
             hidden_size=hidden_size,
             vocab_size=vocab_size,
             device=device,
             dtype=dtype,
+            **({} if spec.adaptive_verification else {"warmup": 2, "repeats": 7}),
         )
+    adaptive = backoff = None
+    if spec.adaptive_verification:
         adaptive = AdaptiveDrafts(
             cost,
             spec.num_speculative_tokens,
@@ -295,12 +376,17 @@ def build_speculation(
                 spec.method == "draft_model" and spec.draft_sampling == "probabilistic"
             ),
         )
+    if backs_off:
+        break_even = break_even_length(cost, spec.num_speculative_tokens)
+        logger.info("drafting pays from an acceptance length of %.2f", break_even)
+        backoff = DraftBackoff(break_even)
     return Speculation(
         proposer,
         adaptive,
         num_speculative_tokens=spec.num_speculative_tokens,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
+        backoff=backoff,
     )
 
 
@@ -328,6 +414,8 @@ def profile_costs(
     vocab_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    warmup: int = 1,
+    repeats: int = 3,
 ) -> CostModel:
     """Start-up cost tables: the target forward over n tokens, each captured graph of up to
     MAX_PROFILED_REQUESTS requests (replay and logits), the proposer over r requests."""
@@ -376,8 +464,8 @@ def profile_costs(
             _counts(max_tokens),
             graph_step=runner.verify_on_graph,
             graph_shapes=[(n, q) for n, q in runner.graph_shapes() if n <= max_requests],
-            warmup=1,
-            repeats=3,
+            warmup=warmup,
+            repeats=repeats,
             synchronize=sync,
         )
     finally:
