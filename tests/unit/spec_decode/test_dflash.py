@@ -538,7 +538,8 @@ def test_engine_default_model_uses_the_shipped_drafter(default_model_dir) -> Non
     prompt = [{"role": "user", "content": "Write a short paragraph about lighthouses."}]
     with Session(device="cpu") as s:
         plain = s.chat(prompt, greedy).token_ids
-    with Session(device="cpu", speculative={"method": "dflash"}) as s:
+    # Drafting every step: on the CPU this drafter rarely pays, and the backoff would pause it.
+    with Session(device="cpu", speculative={"method": "dflash", "draft_backoff": False}) as s:
         assert isinstance(s.engine.speculation.proposer, DFlashProposer)
         out = s.chat(prompt, greedy)
         stats = s.stats()
