@@ -31,6 +31,12 @@ def make_request(
     `grammars` (StructuredOutputError when it cannot be used), never inside a step."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        # One Request is one completion: Session.generate splits n into n requests.
+        raise InvalidRequestError(
+            f"SamplingParams.n={params.n}: a request is one completion; give each completion its "
+            "own request (params.completion(i)), as Session.generate does"
+        )
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty: expected a non-empty string")

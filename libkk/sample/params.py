@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -101,8 +102,17 @@ class SamplingParams(
     it, as vLLM and the OpenAI API do: the request then ends with finish_reason "length" once the
     sequence reaches max_model_len. Only a prompt that leaves no room for max(1, min_tokens) tokens
     is refused (PromptTooLongError).
+
+    `n` asks for that many completions of the prompt. With n > 1, `Session.generate` and
+    `Session.chat` return, for that prompt, a list of n RequestOutput (in place of one); with
+    n == 1 they return one RequestOutput as always. The completions are separate requests submitted
+    together, so the prefix cache serves the prompt's KV to all of them. Completion 0 uses `seed`
+    as given; completion i > 0 a seed derived from (seed, i) (`completion_seed`), so seeded
+    completions differ from each other and repeat from run to run. Greedy completions are
+    identical. `Session.stream`, `Session.stream_chat` and `Session.submit` take n == 1 only.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -124,6 +134,9 @@ class SamplingParams(
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        _check_type("n", self.n, int)
+        if self.n < 1:
+            _bad("n", self.n, "an integer >= 1")
         _check_type("max_tokens", self.max_tokens, int, optional=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
@@ -184,12 +197,30 @@ class SamplingParams(
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def completion(self, index: int) -> SamplingParams:
+        """The parameters of completion `index` (0 <= index < n): n == 1 and its own seed."""
+        if not 0 <= index < self.n:
+            raise SamplingParamsError(f"completion index {index} is out of range for n={self.n}")
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else completion_seed(self.seed, index)
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:
             raise SamplingParamsError(f"invalid sampling parameters: {e}") from None
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request seeded with `seed`: `seed` itself for index 0,
+    else a 63-bit value hashed from (seed, index), the same in every run."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"libkk-completion:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & _MAX_SEED
 
 
 def _bad(name: str, value: Any, expected: str) -> None:
