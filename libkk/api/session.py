@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from libkk.config import EngineConfig
@@ -30,7 +31,7 @@ from libkk.errors import (
     UnknownRequestError,
 )
 from libkk.runtime.heap import freeze_startup_objects, release_frozen_objects
-from libkk.sample.params import SamplingParams
+from libkk.sample.params import SamplingParams, StructuredOutput
 
 Prompt = str | Sequence[int]
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -56,6 +57,86 @@ def _checked_arguments(method: _F) -> _F:
             ) from None
 
     return call  # type: ignore[return-value]
+
+
+def _check_single(params: SamplingParams | None, method: str) -> None:
+    if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+        raise InvalidRequestError(
+            f"SamplingParams.n={params.n}: Session.{method} takes n=1 only; use "
+            "Session.generate or Session.chat for several completions"
+        )
+
+
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = ("name", "schema", "description", "strict")
+
+
+def with_response_format(
+    params: SamplingParams | None, response_format: Mapping[str, Any] | None
+) -> SamplingParams | None:
+    """`params` (a copy) with `structured` set from an OpenAI `response_format`; `params`
+    unchanged for None. Raises InvalidRequestError for a malformed response_format, or one given
+    with params that set `structured` already."""
+    if response_format is None:
+        return params
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequestError(
+            f"response_format must be a dict such as {{'type': 'json_object'}}, got "
+            f"{type(response_format).__name__}: {response_format!r:.80}"
+        )
+    kind = response_format.get("type")
+    if kind not in _RESPONSE_FORMAT_TYPES:
+        raise InvalidRequestError(
+            f"response_format.type={kind!r} is invalid: expected one of "
+            f"{', '.join(_RESPONSE_FORMAT_TYPES)}"
+        )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(str(k) for k in response_format if k not in allowed)
+    if extra:
+        raise InvalidRequestError(
+            f"response_format of type {kind!r} has unknown keys {extra}: expected only "
+            f"{sorted(allowed)}"
+        )
+    if params is not None and params.structured is not None:
+        raise InvalidRequestError(
+            "response_format and SamplingParams.structured are both set: give one of them"
+        )
+    base = params if params is not None else SamplingParams()
+    if kind == "text":
+        return base
+    if kind == "json_object":
+        return msgspec.structs.replace(base, structured=StructuredOutput(json=True))
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise InvalidRequestError(
+            f"response_format.json_schema must be a dict with 'name' and 'schema', got "
+            f"{type(spec).__name__}: {spec!r:.80}"
+        )
+    extra = sorted(str(k) for k in spec if k not in _JSON_SCHEMA_KEYS)
+    if extra:
+        raise InvalidRequestError(
+            f"response_format.json_schema has unknown keys {extra}: expected among "
+            f"{list(_JSON_SCHEMA_KEYS)}"
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(
+            f"response_format.json_schema.name={name!r} is invalid: expected a non-empty string"
+        )
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError(
+            f"response_format.json_schema.schema={schema!r:.80} is invalid: expected a JSON "
+            "Schema as a dict"
+        )
+    for key, expected in (("description", str), ("strict", bool)):
+        if key in spec and spec[key] is not None and not isinstance(spec[key], expected):
+            raise InvalidRequestError(
+                f"response_format.json_schema.{key}={spec[key]!r:.80} is invalid: expected a "
+                f"{expected.__name__}"
+            )
+    structured = StructuredOutput(json_schema=dict(schema))
+    return msgspec.structs.replace(base, structured=structured)
 
 
 class Session:
@@ -117,7 +198,9 @@ class Session:
         *,
         request_id: str | None = None,
     ) -> str:
-        """Queues one request and returns its id; collect its outputs with `step()`."""
+        """Queues one request and returns its id; collect its outputs with `step()`. Takes
+        n == 1 only."""
+        _check_single(params, "submit")
         rid = self._add(prompt, params, request_id)
         with self._lock:
             self._stepped.add(rid)
@@ -171,10 +254,11 @@ class Session:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> RequestOutput | list[RequestOutput]:
+    ) -> RequestOutput | list[RequestOutput] | list[list[RequestOutput]]:
         """Generates for one prompt (returns one output) or many (returns a list, in order).
 
-        A prompt is a string or a list of token ids."""
+        A prompt is a string or a list of token ids. A prompt whose params have n > 1 gets a
+        list of n outputs in place of its one output (see `SamplingParams`)."""
         if not isinstance(prompts, (str, Iterable)):
             raise InvalidRequestError(
                 f"prompts must be a string, a list of token ids or a list of prompts, got "
@@ -207,10 +291,19 @@ class Session:
                     f"got {len(per_request)} SamplingParams for {len(batch)} prompts: "
                     "expected one, or one per prompt"
                 )
+        # Completion i of a prompt with n > 1 is its own request; the n of a prompt are added
+        # one after another, so the scheduler admits them together and the later ones find the
+        # prompt's blocks in the prefix cache.
         rids: list[str] = []
+        counts: list[int] = []
         try:
             for prompt, p in zip(batch, per_request, strict=True):
-                rids.append(self._add(prompt, p, None))
+                if isinstance(p, SamplingParams) and p.n > 1:
+                    counts.append(p.n)
+                    rids.extend(self._add(prompt, p.completion(i), None) for i in range(p.n))
+                else:
+                    counts.append(1)
+                    rids.append(self._add(prompt, p, None))
         except BaseException:
             for rid in rids:
                 self._abort_quietly(rid)
@@ -231,8 +324,11 @@ class Session:
                 if rid not in finals:
                     self._abort_quietly(rid)
             raise
-        results = [finals[rid] for rid in rids]
-        return results[0] if single else results
+        outputs = iter([finals[rid] for rid in rids])
+        results: list[RequestOutput | list[RequestOutput]] = [
+            next(outputs) if n == 1 else [next(outputs) for _ in range(n)] for n in counts
+        ]
+        return results[0] if single else results  # type: ignore[return-value]
 
     @_checked_arguments
     def stream(
@@ -240,7 +336,13 @@ class Session:
     ) -> Iterator[RequestOutput]:
         """Yields one output per step that produced text or tokens; `delta_text` is the new
         text (never a split UTF-8 character, never part of a stop string). Closing the iterator
-        early aborts the request."""
+        early aborts the request. Takes n == 1 only."""
+        _check_single(params, "stream")
+        return self._stream(prompt, params)
+
+    def _stream(self, prompt: Prompt, params: SamplingParams | None) -> Iterator[RequestOutput]:
+        # NOTE: a generator apart from `stream`, so that a bad n is refused at the call; the
+        # request itself is added at the first next(), as before.
         rid = self._add(prompt, params, None)
         finished = False
         try:
@@ -262,9 +364,41 @@ class Session:
         self,
         messages: Sequence[dict[str, str]],
         params: SamplingParams | None = None,
+        *,
+        response_format: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
-    ) -> RequestOutput:
-        """Renders the model's chat template (with the generation prompt) and generates."""
+    ) -> RequestOutput | list[RequestOutput]:
+        """Renders the model's chat template (with the generation prompt) and generates.
+
+        `response_format` is OpenAI's: {"type": "text"}, {"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; it sets
+        `SamplingParams.structured` (params must not set it too). With params.n > 1, returns a
+        list of n outputs."""
+        params = with_response_format(params, response_format)
+        output = self.generate(self._render_chat(messages, template_kwargs), params)
+        assert isinstance(output, (RequestOutput, list))
+        return output  # type: ignore[return-value]
+
+    @_checked_arguments
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        response_format: Mapping[str, Any] | None = None,
+        **template_kwargs: Any,
+    ) -> Iterator[RequestOutput]:
+        """`stream` over the chat template's rendering of `messages`, as `chat` renders it:
+        yields one output per step that produced text, `delta_text` the new text. Takes n == 1
+        only."""
+        params = with_response_format(params, response_format)
+        _check_single(params, "stream_chat")
+        token_ids = self._render_chat(messages, template_kwargs)
+        return self.stream(token_ids, params)
+
+    def _render_chat(
+        self, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
+    ) -> list[int]:
         if isinstance(messages, Iterable) and not isinstance(messages, (str, bytes, Mapping)):
             messages = list(messages)  # else the template's checks name what it got
         text = self.tokenizer.apply_chat_template(
@@ -272,10 +406,7 @@ class Session:
             add_generation_prompt=True,
             **template_kwargs,
         )
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        output = self.generate(token_ids, params)
-        assert isinstance(output, RequestOutput)
-        return output
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- lifetime -------------------------------------------------------------------------
 
