@@ -41,6 +41,13 @@ class ArchConfig:
     # Every layer's attention window (Mistral, Phi-3): a query at p sees keys in (p - W, p].
     # None: full causal attention.
     sliding_window: int | None = None
+    # Per-layer attention kind (Gemma 3): "sliding_attention" layers take `sliding_window` and
+    # `local_rope`, "full_attention" layers full attention and `rope`. Empty: every layer alike.
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None  # RoPE of the sliding layers; None: `rope`
+    attention_scale: float | None = None  # scale of q.k; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -118,7 +125,7 @@ def parse_arch_config(raw: Mapping[str, Any], source: str = "config.json") -> Ar
             "weight_block_size [128, 128])"
         )
     act = f.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and architecture not in _OWN_ACTIVATION:
         raise f.unsupported(f"hidden_act {act!r} (only 'silu')")
     return replace(parser(f, architecture), fp8_block_weights=quantization is not None)
 
@@ -131,7 +138,12 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
+
+# Families whose parser reads and checks the activation itself (another field name).
+_OWN_ACTIVATION = frozenset({"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
 
 
 def _architecture(raw: Mapping[str, Any], source: str) -> str:
@@ -402,6 +414,116 @@ def _phi3(f: _Fields, architecture: str) -> ArchConfig:
     return ArchConfig(**base, sliding_window=window)
 
 
+# Gemma3TextConfig's defaults for the fields hub configs (text_config of the multimodal ones
+# especially) leave out.
+_GEMMA3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=131_072,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")
+
+
+def _gemma3(f: _Fields, architecture: str) -> ArchConfig:
+    """Gemma 3 text (Gemma3ForCausalLM) and the text tower of Gemma3ForConditionalGeneration
+    (its `text_config`; the vision tower is not read)."""
+    multimodal = architecture == "Gemma3ForConditionalGeneration"
+    text = dict(f.raw)
+    if multimodal:
+        sub = f.get("text_config") or {}
+        if not isinstance(sub, dict):
+            raise f._bad("text_config", sub, "a mapping")
+        text = dict(sub)
+        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
+            if text.get(key) is None and f.get(key) is not None:
+                text[key] = f.get(key)
+        # The multimodal model ties its head to the text embedding by the top-level setting.
+        text["tie_word_embeddings"] = f.get("tie_word_embeddings", True)
+    text = {**_GEMMA3_DEFAULTS, **text}
+    source = f"{f.source}: text_config" if multimodal else f.source
+    t = _Fields(text, source)
+    act = t.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise t.unsupported(f"hidden_activation {act!r} (only 'gelu_pytorch_tanh')")
+    if t.get("use_bidirectional_attention"):
+        raise t.unsupported("use_bidirectional_attention")
+    # NOTE: transformers' Gemma 3 attention never applies attn_logit_softcapping (its attention
+    # call passes no softcap); the field is ignored here too, so that the two compute the same.
+
+    # RoPE: full layers take rope_parameters["full_attention"] (older configs: rope_theta and
+    # rope_scaling), sliding layers rope_parameters["sliding_attention"] (rope_local_base_freq).
+    rest = {k: v for k, v in text.items() if k not in _ROPE_KEYS}
+    params = t.get("rope_parameters")
+    per_type = isinstance(params, dict) and any(k in params for k in _GEMMA3_LAYER_TYPES)
+    if per_type:
+        full = params.get("full_attention") or {"rope_type": "default"}
+        local = params.get("sliding_attention") or {"rope_type": "default"}
+    else:
+        full = params or t.get("rope_scaling") or {"rope_type": "default"}
+        local = {"rope_type": "default"}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+        raise t._bad("rope_parameters", params, "a mapping per layer type")
+    full_theta = t.float("rope_theta", 1_000_000.0)
+    local_theta = t.float("rope_local_base_freq", 10_000.0)
+    full_f = _Fields({**rest, "rope_parameters": full, "rope_theta": full_theta}, source)
+    local_f = _Fields({**rest, "rope_parameters": local, "rope_theta": local_theta}, source)
+    base = _base(
+        full_f, architecture, default_theta=full_theta, default_eps=1e-6,
+        default_max_position=131_072, default_head_dim=256,
+    )  # fmt: skip
+    max_position = base["max_position_embeddings"]
+    local_rope = _rope(local_f, local_theta, max_position)
+
+    num_layers = base["num_layers"]
+    layer_types = t.get("layer_types")
+    if layer_types is None:
+        pattern = t.int("sliding_window_pattern", 6)
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(kind not in _GEMMA3_LAYER_TYPES for kind in layer_types)
+    ):
+        raise t._bad(
+            "layer_types", layer_types, f"{num_layers} of {', '.join(_GEMMA3_LAYER_TYPES)}"
+        )
+    scalar = t.float("query_pre_attn_scalar", 256)
+    if scalar <= 0:
+        raise t._bad("query_pre_attn_scalar", scalar, "a positive number")
+    cap = t.get("final_logit_softcapping")
+    if cap is not None:
+        cap = t.float("final_logit_softcapping")
+        if cap <= 0:
+            raise t._bad("final_logit_softcapping", cap, "null or a positive number")
+    if multimodal:
+        cap = None  # transformers' Gemma3ForConditionalGeneration does not cap its logits
+    bias = t.bool("attention_bias", False)
+    return ArchConfig(
+        **base,
+        qkv_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        sliding_window=_sliding_window(t, 4096, max_position),
+        layer_types=tuple(layer_types),
+        local_rope=local_rope,
+        attention_scale=scalar**-0.5,
+        final_logit_softcapping=cap,
+        hidden_act="gelu_pytorch_tanh",
+    )
+
+
 _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "LlamaForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
@@ -410,4 +532,6 @@ _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "MixtralForCausalLM": _mixtral,
     "MistralForCausalLM": _mistral,
     "Phi3ForCausalLM": _phi3,
+    "Gemma3ForCausalLM": _gemma3,
+    "Gemma3ForConditionalGeneration": _gemma3,
 }

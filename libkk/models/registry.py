@@ -17,6 +17,9 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "libkk.models.mixtral:MixtralForCausalLM",
     "MistralForCausalLM": "libkk.models.mistral:MistralForCausalLM",
     "Phi3ForCausalLM": "libkk.models.phi3:Phi3ForCausalLM",
+    "Gemma3ForCausalLM": "libkk.models.gemma3:Gemma3ForCausalLM",
+    # The text tower only: the vision weights are skipped.
+    "Gemma3ForConditionalGeneration": "libkk.models.gemma3:Gemma3ForCausalLM",
 }
 
 
