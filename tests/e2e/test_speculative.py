@@ -275,6 +275,7 @@ def test_synthetic_rejection_accepts_at_configured_rates(cyclic_llama_dir, refer
         num_speculative_tokens=4,
         rejection_sample_method="synthetic",
         synthetic_acceptance_rates=[0.5],
+        draft_backoff=False,  # every step verifies: the rate is what is measured
     )
     # Expected accepted drafts per verification with 4 drafts at rate 0.5: .5+.25+.125+.0625.
     per_step = stats["spec_num_accepted_tokens"] / stats["spec_num_verify_steps"]
