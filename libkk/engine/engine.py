@@ -48,7 +48,7 @@ from libkk.errors import (
 from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
-from libkk.runtime.io import LaunchedStep, SchedulerOutput
+from libkk.runtime.io import LaunchedStep, RunnerOutput, SchedulerOutput
 from libkk.sample.grammar import GrammarCompiler
 from libkk.sample.params import SamplingParams
 
@@ -342,11 +342,16 @@ class Engine:
             _log_failed_step(e)
             self.scheduler.undo_launch(step.sched_out, step.sampled)
             return self._run_alone(step.sched_out)
+        outputs = self._take_tokens(step, runner_out)
+        self.speculation.record_step(step.sched_out, time.perf_counter() - step_start)
+        return outputs
+
+    def _take_tokens(self, step: InFlightStep, runner_out: RunnerOutput) -> list[RequestOutput]:
+        """A finished step's tokens appended, its outputs handed out, the next drafts made."""
         elapsed = time.perf_counter() - step.start
         updated = self.scheduler.append(step.sched_out, step.sampled, runner_out, elapsed)
         outputs = self._emit(updated)
         self.speculation.after_step(step.sched_out, runner_out, updated, self.scheduler.requests)
-        self.speculation.record_step(step.sched_out, time.perf_counter() - step_start)
         return outputs
 
     def _run_alone(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
@@ -377,10 +382,7 @@ class Engine:
                     outputs.append(self._make_output(request))
                 self.speculation.drop(rid)
                 continue
-            elapsed = time.perf_counter() - step.start
-            updated = self.scheduler.append(single, step.sampled, runner_out, elapsed)
-            outputs += self._emit(updated)
-            self.speculation.after_step(single, runner_out, updated, self.scheduler.requests)
+            outputs += self._take_tokens(step, runner_out)
         return outputs
 
     # ---- outputs --------------------------------------------------------------------------

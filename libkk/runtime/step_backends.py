@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -93,17 +93,18 @@ class PiecewiseStep(EagerStep):
     """The compiled forward padded to the next captured token count: its pieces between
     attention calls replay their graphs (padding writes the null slot)."""
 
-    def __init__(self, model: nn.Module, forward: Forward, keeps_aux: bool, max_size: int) -> None:
+    def __init__(
+        self, model: nn.Module, forward: Forward, keeps_aux: bool, pieces: PiecewiseBackend
+    ) -> None:
         super().__init__(model, forward, keeps_aux)
-        self.pad_to: Sequence[int] = []  # set once the pieces are known
-        self.max_size = max_size
+        self.pieces = pieces
 
     def can_run(self, batch: InputBatch) -> bool:
-        return batch.input_ids.shape[0] <= self.max_size
+        return batch.input_ids.shape[0] <= self.pieces.max_size
 
     def run(self, batch: InputBatch) -> tuple[Tensor, Tensor | None]:
         n = batch.input_ids.shape[0]
-        pad = self.pad_to[n] - n
+        pad = self.pieces.pad_to[n] - n
         metadata = dataclasses.replace(
             batch.attn_metadata, slot_mapping=F.pad(batch.attn_metadata.slot_mapping, (0, pad))
         )
@@ -262,9 +263,9 @@ class StepBackends:
         self.decode_graphs, self.mixed_graphs, self.piecewise = decode, mixed, piecewise
         backends: list[StepBackend] = [FullGraphStep(g) for g in (decode, mixed) if g is not None]
         if piecewise is not None:
-            step = PiecewiseStep(self.model, self.forward, self.shape.keeps_aux, piecewise.max_size)
-            step.pad_to = piecewise.pad_to
-            backends.append(step)
+            backends.append(
+                PiecewiseStep(self.model, self.forward, self.shape.keeps_aux, piecewise)
+            )
         return backends
 
     def _decode_graphs(self) -> DecodeGraphs:
