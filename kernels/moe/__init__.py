@@ -39,6 +39,7 @@ Triton's own autotune is not used.
 from .common import (
     DECODE_CONFIG,
     FORMATS,
+    GATED_ACTIVATIONS,
     GROUP,
     LARGE_PREFILL_CONFIG,
     PAIR_DECODE_CONFIG,
@@ -46,11 +47,14 @@ from .common import (
     PAIR_MAJOR,
     PAIR_MAJOR_MAX_TOKENS,
     PREFILL_CONFIG,
+    SILU,
     W4A8_PREFILL_CONFIG,
+    ExpertActivation,
     MoeKernelError,
     MoeTileConfig,
     W4A8TileConfig,
     default_tile_config,
+    expert_activation_ref,
 )
 from .routing import (
     ALIGN_SINGLE_MAX_PAIRS,
@@ -96,6 +100,10 @@ __all__ = [
     "ALIGN_SINGLE_MAX_PAIRS",
     "DECODE_CONFIG",
     "FORMATS",
+    "GATED_ACTIVATIONS",
+    "SILU",
+    "ExpertActivation",
+    "expert_activation_ref",
     "FP8_MAX",
     "GROUP",
     "PAIR_DECODE_CONFIG",

@@ -15,6 +15,7 @@ from .._jit import jit
 FORMATS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 SCORING = ("softmax", "sigmoid")
+GATED_ACTIVATIONS = ("silu", "clamped_swiglu")
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -73,6 +74,38 @@ PAIR_DECODE_NARROW = MoeTileConfig(block_m=PAIR_MAJOR, block_n=4, block_k=1024, 
                                    down_num_warps=4)  # fmt: skip
 PAIR_DECODE_CONFIG = MoeTileConfig(block_m=PAIR_MAJOR, block_n=32, block_k=256, num_warps=4,
                                    num_stages=3)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The gated activation between an expert's two projections.
+
+    "silu": silu(gate) * up. "clamped_swiglu" (gpt-oss): gate clamped above at `limit`, up to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GATED_ACTIVATIONS:
+            raise _err(
+                f"expert activation {self.kind!r} is not one of {', '.join(GATED_ACTIVATIONS)}"
+            )
+
+
+SILU = ExpertActivation()
+
+
+def expert_activation_ref(
+    gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation = SILU
+) -> torch.Tensor:
+    """The activation in torch, in the inputs' dtype (what the unfused model computes)."""
+    if act.kind == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return gate * torch.sigmoid(gate * act.alpha) * (up + 1)
 
 
 def default_tile_config(num_tokens: int) -> MoeTileConfig:

@@ -6,6 +6,9 @@ libkk/layers/quant_moe.py; SparseMoeBlock builds them when the loader asks for t
 Expert weights are stacked the way the Triton fused-MoE kernels read them:
   w13 [num_experts, 2 * intermediate, hidden]  rows [gate (w1) | up (w3)] of each expert
   w2  [num_experts, hidden, intermediate]      the down projection
+With expert biases (gpt-oss): w13_bias [num_experts, 2 * intermediate] (gate | up) and w2_bias
+[num_experts, hidden], added after each projection, before the activation and before the routing
+weight.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.distributed import all_reduce, get_tp_size
-from libkk.kernels.moe import moe_topk_routing
+from libkk.distributed import all_reduce, get_tp_rank, get_tp_size
+from libkk.kernels.moe import SILU, ExpertActivation, expert_activation_ref, moe_topk_routing
 from libkk.layers.linear import (
     Linear,
     check_shape,
@@ -56,6 +59,9 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int64
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Reference fused MoE: for each expert that received tokens, gather, run its MLP, scatter-add.
 
@@ -77,8 +83,10 @@ def fused_moe_ref(
             continue
         rows = token_of[start : start + count]  # [count]
         x = hidden.index_select(0, rows)  # [count, hidden]
-        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)  # [count, intermediate] each
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [count, hidden]
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        gate, up = F.linear(x, w13[expert], b13).chunk(2, dim=-1)  # [count, intermediate] each
+        y = F.linear(expert_activation_ref(gate, up, activation), w2[expert], b2)  # [count, hidden]
         # NOTE: the routing weight multiplies in fp32 (as HF Mixtral does); cast back after.
         y = y * weight_of[start : start + count, None]
         out.index_add_(0, rows, y.to(out.dtype))
@@ -87,18 +95,27 @@ def fused_moe_ref(
 
 
 class FusedMoE(nn.Module):
-    """The experts of one MoE layer as two stacked weights (gated SiLU MLPs).
+    """The experts of one MoE layer as two stacked weights (gated MLPs, `activation` between).
 
     Loading: a per-expert checkpoint tensor uses shard id `(expert, 0)` (gate / w1, or the down
     projection for w2) or `(expert, 1)` (up / w3); an already-stacked tensor (transformers 5
     in-memory layout `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) loads whole.
+    Biases (`bias=True`) load the same way: w13_bias [E, 2I] by (expert, part), w2_bias [E, H].
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: ExpertActivation = SILU,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.activation = activation
         w13_shards = frozenset((e, j) for e in range(num_experts) for j in (0, 1))
         w2_shards = frozenset((e, 0) for e in range(num_experts))
         # [E, 2I, H] and [E, H, I]
@@ -108,6 +125,15 @@ class FusedMoE(nn.Module):
         self.w2_weight = new_param(
             num_experts, hidden_size, intermediate_size, loader=self._load, shard_ids=w2_shards
         )
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = new_param(
+                num_experts, 2 * intermediate_size, loader=self._load, shard_ids=w13_shards
+            )
+            self.w2_bias = new_param(
+                num_experts, hidden_size, loader=self._load, shard_ids=w2_shards
+            )
 
     def _load(
         self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None
@@ -116,13 +142,16 @@ class FusedMoE(nn.Module):
             default_weight_loader(param, loaded, name)
             return
         expert, part = shard_id  # type: ignore[misc]
-        if param is self.w13_weight:
+        if param is self.w13_weight or param is self.w13_bias:
             # rows of gate (part 0) or up (part 1) within this expert's block
             size = self.intermediate_size
             target = param.data[expert].narrow(0, part * size, size)
         else:
             target = param.data[expert]
         check_shape(name, target.shape, loaded.shape)
+        if param is self.w2_bias and get_tp_rank() != 0:
+            # The ranks' partial outputs are summed: one rank adds the down projection's bias.
+            loaded = torch.zeros_like(loaded)
         target.copy_(loaded)
 
     def forward(
@@ -131,17 +160,22 @@ class FusedMoE(nn.Module):
         topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
         topk_ids: torch.Tensor,  # [num_tokens, top_k]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        return fused_moe_ref(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return fused_moe_ref(
+            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias,
+            self.w2_bias, self.activation,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, "
-            f"intermediate={self.intermediate_size}"
+            f"intermediate={self.intermediate_size}, bias={self.w13_bias is not None}, "
+            f"activation={self.activation.kind}"
         )
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, a bias-free linear to expert logits) + top-k + experts.
+    """Router (`gate`, a linear to expert logits, with a bias where `router_bias`) + top-k +
+    experts (`expert_bias`, `activation`: see FusedMoE).
 
     Parameter names (`gate.weight`, `experts.w13_weight`, `experts.w2_weight`) follow the HF
     module layout, so checkpoint names map onto them by suffix.
@@ -154,11 +188,14 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         intermediate_size: int,
         renormalize: bool,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: ExpertActivation = SILU,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
         # Tensor parallelism: each rank holds its slice of every expert's intermediate dim and
         # the partial outputs are summed (all-reduce in forward).
         part = tp_split(intermediate_size, "moe_intermediate_size")
@@ -167,10 +204,10 @@ class SparseMoeBlock(nn.Module):
         if opts.weight_format is not None:  # packed 4-bit experts, fused kernels (CUDA)
             self.experts = QuantFusedMoE(
                 num_experts, hidden_size, len(part), opts.weight_format, opts,
-                full_intermediate_size=intermediate_size,
+                full_intermediate_size=intermediate_size, bias=expert_bias, activation=activation,
             )  # fmt: skip
         else:
-            self.experts = FusedMoE(num_experts, hidden_size, len(part))
+            self.experts = FusedMoE(num_experts, hidden_size, len(part), expert_bias, activation)
         shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
