@@ -48,6 +48,8 @@ from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.csf import csf_expand
 from libkk.kernels.moe import (
     GROUP,
+    SILU,
+    ExpertActivation,
     fused_moe_w4a8,
     fused_moe_w4a8_ref,
     fused_moe_w4a16,
@@ -175,10 +177,17 @@ class QuantFusedMoE(IndexedLayer):
         weight_format: str,
         options: MoeOptions | None = None,
         full_intermediate_size: int | None = None,
+        bias: bool = False,
+        activation: ExpertActivation = SILU,
     ) -> None:
         """intermediate_size: this rank's part of every expert's intermediate dimension (the
         whole of it at one rank); full_intermediate_size: the whole (default: the same)."""
         super().__init__()
+        if bias or activation != SILU:
+            raise UnsupportedModelError(
+                "packed 4-bit experts with biases or another activation than SiLU are not "
+                "supported"
+            )
         if weight_format not in GROUP:
             raise UnsupportedModelError(
                 f"expert weight format {weight_format!r} is not supported (nvfp4, mxfp4)"
