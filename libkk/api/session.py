@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
+from libkk.api.chat_format import ChatFormat, ToolChat, chat_format_for
 from libkk.config import EngineConfig
 from libkk.engine.engine import Engine
 from libkk.engine.outputs import RequestOutput
@@ -171,6 +172,7 @@ class Session:
         # Requests whose outputs the caller collects through step() (submitted with submit()).
         self._stepped: set[str] = set()
         self._ids = itertools.count()
+        self._chat_format: ChatFormat | None = None  # the chat template's, on first use
 
     # ---- properties -----------------------------------------------------------------------
 
@@ -362,10 +364,12 @@ class Session:
     @_checked_arguments
     def chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
         **template_kwargs: Any,
     ) -> RequestOutput | list[RequestOutput]:
         """Renders the model's chat template (with the generation prompt) and generates.
@@ -373,40 +377,78 @@ class Session:
         `response_format` is OpenAI's: {"type": "text"}, {"type": "json_object"} or
         {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; it sets
         `SamplingParams.structured` (params must not set it too). With params.n > 1, returns a
-        list of n outputs."""
-        params = with_response_format(params, response_format)
-        output = self.generate(self._render_chat(messages, template_kwargs), params)
+        list of n outputs.
+
+        `tools` is OpenAI's list of {"type": "function", "function": {"name", "description",
+        "parameters": <JSON Schema>}}; `tool_choice` is "auto" (the model may call tools),
+        "none" (no tools are offered), "required" (one call to any tool) or {"type":
+        "function", "function": {"name": ...}} (one call to that tool). The tools go through
+        the template's `tools` argument, or through a system message where the template does
+        not render tools. A required or named call is enforced by a grammar, so its arguments
+        always validate against the tool's schema. The output's `tool_calls` holds the calls
+        read from the text (`ToolCall`, arguments as a dict; [] if none) and `text` the rest;
+        a call cut short by max_tokens is not a call. Messages may hold OpenAI's assistant
+        `tool_calls` and "tool" role results. With tools, SamplingParams.structured must be
+        unset; response_format works with tool_choice "auto" only (the answer is then either
+        calls or JSON in that format)."""
+        token_ids, params, tool_chat = self._prepare_chat(
+            messages, params, response_format, tools, tool_choice, template_kwargs
+        )
+        output = self.generate(token_ids, params)
         assert isinstance(output, (RequestOutput, list))
+        if tool_chat is not None:
+            if isinstance(output, list):
+                return [tool_chat.finish(o) for o in output]  # type: ignore[arg-type]
+            return tool_chat.finish(output)
         return output  # type: ignore[return-value]
 
     @_checked_arguments
     def stream_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
         **template_kwargs: Any,
     ) -> Iterator[RequestOutput]:
         """`stream` over the chat template's rendering of `messages`, as `chat` renders it:
         yields one output per step that produced text, `delta_text` the new text. Takes n == 1
-        only."""
-        params = with_response_format(params, response_format)
-        _check_single(params, "stream_chat")
-        token_ids = self._render_chat(messages, template_kwargs)
-        return self.stream(token_ids, params)
+        only.
 
-    def _render_chat(
-        self, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
-    ) -> list[int]:
+        With tools (see `chat`), `delta_text` is content only: text is handed out up to the
+        first tool call, and text that may start one is held back until what follows shows
+        otherwise; the last output carries `tool_calls` and the rest of the content. The deltas
+        join to the last output's `text`."""
+        _check_single(params, "stream_chat")
+        token_ids, params, tool_chat = self._prepare_chat(
+            messages, params, response_format, tools, tool_choice, template_kwargs
+        )
+        stream = self.stream(token_ids, params)
+        return stream if tool_chat is None else tool_chat.stream(stream)
+
+    def _prepare_chat(
+        self,
+        messages: Any,
+        params: SamplingParams | None,
+        response_format: Mapping[str, Any] | None,
+        tools: Any,
+        tool_choice: Any,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[list[int], SamplingParams | None, ToolChat | None]:
+        """The prompt's token ids, the request's params and its tools (None without)."""
+        answer_params = with_response_format(params, response_format)
+        if self._chat_format is None:
+            self._chat_format = chat_format_for(self.tokenizer)
+        tool_chat = ToolChat.build(self._chat_format, tools, tool_choice, params, answer_params)
         if isinstance(messages, Iterable) and not isinstance(messages, (str, bytes, Mapping)):
             messages = list(messages)  # else the template's checks name what it got
-        text = self.tokenizer.apply_chat_template(
-            messages,  # type: ignore[arg-type]
-            add_generation_prompt=True,
-            **template_kwargs,
+        text = self._chat_format.render(
+            messages, tool_chat.tools if tool_chat else None, template_kwargs
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return token_ids, tool_chat.params if tool_chat else answer_params, tool_chat
 
     # ---- lifetime -------------------------------------------------------------------------
 

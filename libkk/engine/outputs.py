@@ -3,6 +3,9 @@ and `OutputProcessor`, which builds it from the request's tokens step by step.""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 from libkk.engine.detokenizer import IncrementalDetokenizer
@@ -18,6 +21,24 @@ class Logprob(msgspec.Struct, frozen=True, kw_only=True):
     logprob: float
     rank: int
     top: list[tuple[int, float]] = []
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One function call the model made in a chat with tools (OpenAI's `tool_calls` item, with
+    `arguments` already decoded)."""
+
+    id: str
+    type: str = "function"
+    name: str
+    arguments: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's message shape: {"id", "type", "function": {"name", "arguments": <JSON text>}}."""
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -40,6 +61,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     error: str | None = None
     timeline: Timeline | None = None
+    # Set by Session.chat / stream_chat when tools were offered (tool_choice not "none"): the
+    # calls parsed from the output, [] if it made none; `text` then holds the rest of the
+    # output. None otherwise (and on stream outputs before the last).
+    tool_calls: list[ToolCall] | None = None
 
 
 class OutputProcessor:

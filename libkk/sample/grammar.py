@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,24 @@ class GrammarCompiler:
                 f"SamplingParams.structured.{kind} admits no output: no token may start it"
             )
         return result
+
+
+def json_rule(schema: Mapping[str, Any]) -> str:
+    """A Lark rule body (`%json {...}`) matching JSON valid under `schema`, written on one line as
+    the `json_schema` constraint writes it (a schema's own "x-guidance" object wins)."""
+    return "%json " + json.dumps({"x-guidance": _JSON_OPTIONS, **schema})
+
+
+def lark_error(lark: str) -> str | None:
+    """llguidance's complaint about a Lark grammar (inline JSON Schemas included), or None when it
+    compiles; needs no tokenizer, so a request can be checked before the tokenizer is built."""
+    matcher = _llguidance().LLMatcher
+    is_error, messages = matcher.validate_grammar_with_warnings(matcher.grammar_from_lark(lark))
+    if not is_error:
+        return None
+    # The first line says what is wrong; the rest echoes the grammar.
+    first = (messages[0] if messages else "").strip().splitlines() or ["unknown error"]
+    return re.sub(r"^at \d+\(\d+\): ", "", first[0])[:400]
 
 
 class GrammarMatcher:
