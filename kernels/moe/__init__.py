@@ -9,10 +9,20 @@ Pipeline of one MoE layer (no host synchronisation anywhere, so it can be captur
    and each expert's run padded to a multiple of the M tile. Padding slots hold the sentinel
    `num_pairs`; blocks past the padded total have expert -1. Sizes are the static worst case.
 3. `moe_w4a16_gate_up`: per M block (one expert), x[token] @ w13[expert]^T with the 4-bit weights
-   dequantized in the kernel, then SiLU(gate) * up -> intermediate [num_pairs, I].
-4. `moe_w4a16_down`: intermediate[pair] @ w2[expert]^T times the pair's routing weight -> [num_pairs,
-   hidden] (`fused_moe_w4a16_routed`); `fused_moe_w4a16` then sums each token's top_k rows, or
-   the caller leaves that sum to the residual add and norm that follow (`add_rms_norm`).
+   dequantized in the kernel, plus the expert's gate and up biases where the layer has them, then
+   the activation -> intermediate [num_pairs, I].
+4. `moe_w4a16_down`: intermediate[pair] @ w2[expert]^T (plus the down bias) times the pair's
+   routing weight -> [num_pairs, hidden] (`fused_moe_w4a16_routed`); `fused_moe_w4a16` then sums
+   each token's top_k rows, or the caller leaves that sum to the residual add and norm that follow
+   (`add_rms_norm`).
+
+Expert options (gpt-oss): biases `w13_bias` [E, 2I] (gate then up) and `w2_bias` [E, H] in the
+activations' dtype, and the activation (`ExpertActivation`: SiLU(gate) * up, or the clamped SwiGLU
+with its alpha and limit). Each bias is added to its projection's fp32 sums and rounded with them
+once, as an unfused `F.linear(x, w, b)` rounds; the activation then rounds after each torch op of
+`expert_activation_ref`. Both are constexprs of the W4A16 kernels, so a SiLU layer without biases
+compiles the kernels it always did. The W4A8 kernels run neither (QuantFusedMoE keeps such layers
+on W4A16).
 
 4-bit weights: uint8 [E, N, K/2], two E2M1 codes per byte, element 2i in the low nibble. Scales:
 uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),

@@ -202,6 +202,66 @@ def _silu_mul(acc_gate, acc_up, DT: tl.constexpr):
     return (act * up).to(DT)
 
 
+# ACT constexpr of the W4A16 kernels: index into GATED_ACTIVATIONS.
+ACT_SILU = 0
+ACT_CLAMPED_SWIGLU = 1
+
+
+def expert_activation(kind: str, alpha: float, limit: float) -> ExpertActivation:
+    """The activation a custom op's flat arguments name (raises MoeKernelError if unknown)."""
+    return ExpertActivation(kind, float(alpha), float(limit))
+
+
+def act_constexprs(act: ExpertActivation) -> dict[str, int | float]:
+    """The kernels' ACT/ALPHA/LIMIT constexprs. SiLU ignores alpha and limit, so it passes fixed
+    values: one compiled SiLU kernel whatever they hold."""
+    if act.kind == "silu":
+        return {"ACT": ACT_SILU, "ALPHA": 0.0, "LIMIT": 0.0}
+    return {"ACT": ACT_CLAMPED_SWIGLU, "ALPHA": act.alpha, "LIMIT": act.limit}
+
+
+def _check_bias(name: str, bias: torch.Tensor | None, e: int, n: int, dtype: torch.dtype) -> None:
+    if bias is None:
+        return
+    if bias.dtype != dtype or tuple(bias.shape) != (e, n) or bias.stride(-1) != 1:
+        raise _err(
+            f"{name} must be {dtype} [{e}, {n}] contiguous in its last dim (the activations' "
+            f"dtype), got {bias.dtype} {tuple(bias.shape)}"
+        )
+
+
+@jit
+def _rounded(v, DT: tl.constexpr):
+    """v (fp32) rounded to DT and back: one torch op's result in DT."""
+    return v.to(DT).to(tl.float32)
+
+
+@jit
+def _clamped_swiglu(acc_gate, acc_up, DT: tl.constexpr, ALPHA: tl.constexpr,
+                    LIMIT: tl.constexpr):  # fmt: skip
+    """The clamped SwiGLU in DT from fp32 accumulators, rounding after each step as
+    `expert_activation_ref`'s torch ops do in DT."""
+    gate = tl.minimum(_rounded(acc_gate, DT), LIMIT)
+    up = tl.minimum(tl.maximum(_rounded(acc_up, DT), -LIMIT), LIMIT)
+    gate = _rounded(gate, DT)  # the clamps give a rounded limit
+    up = _rounded(up, DT)
+    scaled = _rounded(gate * ALPHA, DT)
+    sig = _rounded(1.0 / (1.0 + tl.exp(-scaled)), DT)
+    glu = _rounded(gate * sig, DT)
+    return (glu * _rounded(up + 1.0, DT)).to(DT)
+
+
+@jit
+def _gated(acc_gate, acc_up, DT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+           LIMIT: tl.constexpr):  # fmt: skip
+    """The expert activation (ACT, see ACT_SILU) in DT from the two projections' fp32 sums."""
+    if ACT == 1:  # ACT_CLAMPED_SWIGLU
+        h = _clamped_swiglu(acc_gate, acc_up, DT, ALPHA, LIMIT)
+    else:
+        h = _silu_mul(acc_gate, acc_up, DT)
+    return h
+
+
 @jit
 def _routed(acc, routing_weight, DT: tl.constexpr):
     """An expert's output in DT times its fp32 routing weight, rounded to DT again: the

@@ -9,13 +9,17 @@ from .._jit import check_device, jit, pdl_args, wait_for_previous
 from ..split_join import arrival_counts, arrive, sum_partials
 from .common import (
     GROUP,
+    SILU,
+    ExpertActivation,
     MoeTileConfig,
+    _check_bias,
     _check_rows,
     _check_w4,
     _err,
+    _gated,
     _global_scale,
     _routed,
-    _silu_mul,
+    act_constexprs,
 )
 from .dequant import _e2m1_as_e4m3, _e2m1_pairs_as_f16, _ptx_decode, _scale_value
 
@@ -99,6 +103,7 @@ def _gate_up_gemv_kernel(
     w_ptr,
     s_ptr,
     g_ptr,
+    b_ptr,  # HAS_BIAS: [E, 2N] gate then up biases, x's dtype
     ids_ptr,  # [num_pairs] expert of each (token, k) pair: topk_ids flattened
     out_ptr,
     part_ptr,  # SPLIT_K > 1: fp32 [num_pairs, SPLIT_K, 2, N] partial gate and up sums
@@ -108,6 +113,7 @@ def _gate_up_gemv_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_ot,
     N: tl.constexpr,  # intermediate size I (w13 has 2N rows: gate then up)
     K: tl.constexpr,  # hidden size
@@ -120,6 +126,10 @@ def _gate_up_gemv_kernel(
     SPLIT_K: tl.constexpr,  # programs along K (grid axis 2)
     USE_PTX: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # common.ACT_SILU | ACT_CLAMPED_SWIGLU
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     wait_for_previous(PDL)
     pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
@@ -158,9 +168,26 @@ def _gate_up_gemv_kernel(
         if arrive(count_ptr, tile, SPLIT_K):
             acc_g = sum_partials(rows, 2 * N, nmask, SPLIT_K)
             acc_u = sum_partials(rows + N, 2 * N, nmask, SPLIT_K)
-            tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
+            h = _pair_act(acc_g, acc_u, b_ptr, expert, stride_be, n, nmask, N, DT, HAS_BIAS, ACT,
+                          ALPHA, LIMIT)  # fmt: skip
+            tl.store(out_ptr + pair * stride_ot + n, h, mask=nmask)
     else:
-        tl.store(out_ptr + pair * stride_ot + n, _silu_mul(acc_g, acc_u, DT), mask=nmask)
+        h = _pair_act(acc_g, acc_u, b_ptr, expert, stride_be, n, nmask, N, DT, HAS_BIAS, ACT,
+                      ALPHA, LIMIT)  # fmt: skip
+        tl.store(out_ptr + pair * stride_ot + n, h, mask=nmask)
+
+
+@jit
+def _pair_act(acc_g, acc_u, b_ptr, expert, stride_be, n, nmask, N: tl.constexpr,
+              DT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+              LIMIT: tl.constexpr):  # fmt: skip
+    """A pair's gate_up output [BN] from its whole fp32 sums: the biases added to the sums (one
+    rounding with them, as F.linear's epilogue), then the activation."""
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        acc_g += tl.load(b_row, mask=nmask, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_row + N, mask=nmask, other=0.0).to(tl.float32)
+    return _gated(acc_g, acc_u, DT, ACT, ALPHA, LIMIT)
 
 
 @jit
@@ -169,6 +196,7 @@ def _down_gemv_kernel(
     w_ptr,
     s_ptr,
     g_ptr,
+    b_ptr,  # HAS_BIAS: [E, N] down biases, a's dtype
     ids_ptr,
     rw_ptr,  # [num_pairs] fp32 routing weights
     out_ptr,  # [num_pairs, N]: each pair's output times its routing weight
@@ -177,6 +205,7 @@ def _down_gemv_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_ot,
     N: tl.constexpr,  # hidden size
     K: tl.constexpr,  # intermediate size
@@ -187,6 +216,7 @@ def _down_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     wait_for_previous(PDL)
     pair, expert, n, nmask = _pair_tile(ids_ptr, N, BLOCK_N)
@@ -203,6 +233,8 @@ def _down_gemv_kernel(
         sbyte = tl.load(s_ptrs, mask=smask, other=0)
         ae, ao = _x_step(a_ptr + pair * stride_at, k0, K, BLOCK_K)
         acc += _w4_row_dots(packed, sbyte, ae, ao, gscale, IS_NVFP4, GROUP, USE_PTX)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair * stride_ot + n, _routed(acc, tl.load(rw_ptr + pair), DT), mask=nmask)
 
 
@@ -218,6 +250,9 @@ def _fused_moe_w4a16_pairs(
     topk_ids: torch.Tensor,
     fmt: str,
     cfg: MoeTileConfig,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] x's dtype
+    w2_bias: torch.Tensor | None = None,  # [E, H] x's dtype
+    act: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """Each (token, expert) pair's routed output [num_tokens, top_k, H] on the pair-major path
     (cfg.block_m == 1)."""
@@ -227,6 +262,8 @@ def _fused_moe_w4a16_pairs(
     _check_rows(x, "x", hidden)
     _check_w4("w13", w13, w13_scale, w13_global, fmt, hidden, 2 * inter, 2)
     _check_w4("w2", w2, w2_scale, w2_global, fmt, inter, hidden, 1)
+    _check_bias("w13_bias", w13_bias, w13.shape[0], 2 * inter, x.dtype)
+    _check_bias("w2_bias", w2_bias, w2.shape[0], hidden, x.dtype)
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
         raise _err(
             f"topk_weights must be fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
@@ -245,20 +282,24 @@ def _fused_moe_w4a16_pairs(
     if splits > 1:
         part = torch.empty(pairs, splits, 2, inter, dtype=torch.float32, device=x.device)
         counts = arrival_counts(x.device, pairs * tiles)
+    # Without biases the global scales stand in for them (unread).
+    b13 = w13_global if w13_bias is None else w13_bias
+    b2 = w2_global if w2_bias is None else w2_bias
     _gate_up_gemv_kernel[(pairs, tiles, splits)](
-        x, w13, w13_scale, w13_global, ids, a, part, counts,
+        x, w13, w13_scale, w13_global, b13, ids, a, part, counts,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        a.stride(0), N=inter, K=hidden, TOP_K=top_k,
+        b13.stride(0), a.stride(0), N=inter, K=hidden, TOP_K=top_k,
+        HAS_BIAS=w13_bias is not None, **act_constexprs(act),
         EVEN_K=hidden % (splits * cfg.block_k) == 0, SPLIT_K=splits, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
         USE_PTX=_ptx_decode(cfg.block_n, cfg.block_k, cfg.num_warps), **common,
     )  # fmt: skip
     down_n, down_k, down_warps = cfg.down_tile()
     _down_gemv_kernel[(pairs, -(-hidden // down_n))](
-        a, w2, w2_scale, w2_global, ids, topk_weights.contiguous().view(-1), y,
+        a, w2, w2_scale, w2_global, b2, ids, topk_weights.contiguous().view(-1), y,
         a.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        y.stride(0), N=hidden, K=inter, EVEN_K=inter % down_k == 0, BLOCK_N=down_n,
-        BLOCK_K=down_k, num_warps=down_warps, USE_PTX=_ptx_decode(down_n, down_k, down_warps),
-        **common,
+        b2.stride(0), y.stride(0), HAS_BIAS=w2_bias is not None, N=hidden, K=inter,
+        EVEN_K=inter % down_k == 0, BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps,
+        USE_PTX=_ptx_decode(down_n, down_k, down_warps), **common,
     )  # fmt: skip
     return y.view(num_tokens, top_k, -1)

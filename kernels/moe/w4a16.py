@@ -10,15 +10,21 @@ from .._jit import check_device, jit
 from .common import (
     GROUP,
     PAIR_MAJOR,
+    SILU,
+    ExpertActivation,
     MoeTileConfig,
+    _check_bias,
     _check_rows,
     _check_w4,
     _err,
+    _gated,
     _global_scale,
     _precision,
     _routed,
-    _silu_mul,
+    act_constexprs,
     default_tile_config,
+    expert_activation,
+    expert_activation_ref,
 )
 from .dequant import _ptx_decode, _w4_tile
 from .pairs import _fused_moe_w4a16_pairs
@@ -70,6 +76,7 @@ def _gate_up_kernel(
     w_ptr,
     s_ptr,
     g_ptr,
+    b_ptr,  # HAS_BIAS: [E, 2N] gate then up biases, x's dtype
     out_ptr,
     sorted_ptr,
     expert_ptr,
@@ -80,6 +87,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_ot,
     N: tl.constexpr,  # intermediate size I (w13 has 2N rows: gate then up)
     K: tl.constexpr,  # hidden size
@@ -92,6 +100,10 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
     USE_PTX: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # common.ACT_SILU | ACT_CLAMPED_SWIGLU
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -117,7 +129,11 @@ def _gate_up_kernel(
                     mask=valid[:, None] & kmask[None, :], other=0.0)  # fmt: skip
         acc_g = tl.dot(x, _interleave_k(ge, go), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(x, _interleave_k(ue, uo), acc_u, input_precision=PRECISION)
-    h = _silu_mul(acc_g, acc_u, DT)
+    if HAS_BIAS:  # added to the fp32 sums, rounded once with them (as F.linear's epilogue)
+        b_row = b_ptr + expert * stride_be + n
+        acc_g += tl.load(b_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + N, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    h = _gated(acc_g, acc_u, DT, ACT, ALPHA, LIMIT)
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + n[None, :]
     tl.store(out_ptrs, h, mask=valid[:, None] & nmask[None, :])
 
@@ -128,6 +144,7 @@ def _down_kernel(
     w_ptr,
     s_ptr,
     g_ptr,
+    b_ptr,  # HAS_BIAS: [E, N] down biases, a's dtype
     rw_ptr,
     out_ptr,
     sorted_ptr,
@@ -139,6 +156,7 @@ def _down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_ot,
     N: tl.constexpr,  # hidden size
     K: tl.constexpr,  # intermediate size
@@ -150,6 +168,7 @@ def _down_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask, so weight loads vectorize along K
     USE_PTX: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     if tl.program_id(0) * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -170,6 +189,10 @@ def _down_kernel(
         a = tl.load(a_ptr + pair64[:, None] * stride_at + kx[None, :],
                     mask=valid[:, None] & kmask[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, _interleave_k(we, wo), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + n, mask=nmask, other=0.0).to(tl.float32)[
+            None, :
+        ]
     rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
     y = _routed(acc, rw[:, None], DT)
     out_ptrs = out_ptr + pair64[:, None] * stride_ot + n[None, :]
@@ -193,12 +216,19 @@ def moe_w4a16_gate_up(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] x's dtype (gate then up)
+    act_kind: str = "silu",  # an ExpertActivation's fields
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> None:
-    """out[pair] = SiLU(x[token] @ gate^T) * (x[token] @ up^T) with the pair's expert's weights."""
+    """out[pair] = act(x[token] @ gate^T + b_gate, x[token] @ up^T + b_up) with the pair's
+    expert's weights and biases; act: SiLU(gate) * up, or the clamped SwiGLU (`act_kind`)."""
     k = x.shape[-1]
     inter = w13.shape[1] // 2
+    act = expert_activation(act_kind, alpha, limit)
     _check_rows(x, "x", k)
     _check_w4("w13", w13, w13_scale, w13_global, fmt, k, 2 * inter, 2)
+    _check_bias("w13_bias", w13_bias, w13.shape[0], 2 * inter, x.dtype)
     _check_rows(out, "out", inter)
     if out.dtype != x.dtype or out.shape[0] != x.shape[0] * top_k:
         raise _err(f"out must be {x.dtype} [{x.shape[0] * top_k}, {inter}], got {out.shape}")
@@ -212,6 +242,7 @@ def moe_w4a16_gate_up(
         w13,
         w13_scale,
         w13_global,
+        w13_global if w13_bias is None else w13_bias,  # unread without biases
         out,
         sorted_ids,
         expert_ids,
@@ -222,6 +253,7 @@ def moe_w4a16_gate_up(
         w13.stride(1),
         w13_scale.stride(0),
         w13_scale.stride(1),
+        0 if w13_bias is None else w13_bias.stride(0),
         out.stride(0),
         N=inter,
         K=k,
@@ -234,13 +266,16 @@ def moe_w4a16_gate_up(
         EVEN_K=k % block_k == 0,
         USE_PTX=_ptx_decode(block_n, block_k, num_warps),
         PRECISION=_precision(x.dtype),
+        HAS_BIAS=w13_bias is not None,
+        **act_constexprs(act),
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
 
 @moe_w4a16_gate_up.register_fake
-def _(x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out, *args) -> None:
+def _(x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out, *args,
+      **kwargs) -> None:  # fmt: skip
     return None
 
 
@@ -261,12 +296,14 @@ def moe_w4a16_down(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    w2_bias: torch.Tensor | None = None,  # [E, H] a's dtype
 ) -> None:
-    """out[pair] = (a[pair] @ w2[expert]^T) * topk_weights.flat[pair]."""
+    """out[pair] = (a[pair] @ w2[expert]^T + w2_bias[expert]) * topk_weights.flat[pair]."""
     k = a.shape[-1]
     hidden = w2.shape[1]
     _check_rows(a, "a", k)
     _check_w4("w2", w2, w2_scale, w2_global, fmt, k, hidden, 1)
+    _check_bias("w2_bias", w2_bias, w2.shape[0], hidden, a.dtype)
     _check_rows(out, "out", hidden)
     if out.dtype != a.dtype or out.shape[0] != a.shape[0]:
         raise _err(f"out must be {a.dtype} [{a.shape[0]}, {hidden}], got {out.shape}")
@@ -285,6 +322,7 @@ def moe_w4a16_down(
         w2,
         w2_scale,
         w2_global,
+        w2_global if w2_bias is None else w2_bias,  # unread without biases
         topk_weights.contiguous(),
         out,
         sorted_ids,
@@ -296,6 +334,7 @@ def moe_w4a16_down(
         w2.stride(1),
         w2_scale.stride(0),
         w2_scale.stride(1),
+        0 if w2_bias is None else w2_bias.stride(0),
         out.stride(0),
         N=hidden,
         K=k,
@@ -307,13 +346,15 @@ def moe_w4a16_down(
         EVEN_K=k % block_k == 0,
         USE_PTX=_ptx_decode(block_n, block_k, num_warps),
         PRECISION=_precision(a.dtype),
+        HAS_BIAS=w2_bias is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
 
 @moe_w4a16_down.register_fake
-def _(a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out, *args):
+def _(a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out, *args,
+      **kwargs):  # fmt: skip
     return None
 
 
@@ -329,12 +370,17 @@ def fused_moe_w4a16(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
     fmt: str,
     config: MoeTileConfig | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] x's dtype (gate then up)
+    w2_bias: torch.Tensor | None = None,  # [E, H] x's dtype
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, H]
     """The whole expert computation of one layer on 4-bit weights; no host synchronisation:
-    `fused_moe_w4a16_routed`, then the top-k sum (torch's, accumulating in fp32)."""
+    `fused_moe_w4a16_routed`, then the top-k sum (torch's, accumulating in fp32). Biases are
+    added after each projection (before the activation and before the routing weight)."""
     return fused_moe_w4a16_routed(
         x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
-        config,
+        config, w13_bias=w13_bias, w2_bias=w2_bias, activation=activation,
     ).sum(dim=1)  # fmt: skip
 
 
@@ -350,6 +396,10 @@ def fused_moe_w4a16_routed(
     topk_ids: torch.Tensor,
     fmt: str,
     config: MoeTileConfig | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # [num_tokens, top_k, H]
     """`fused_moe_w4a16` before its top-k sum: each (token, expert) pair's output times its
     routing weight, left for a consumer that sums them itself (`add_rms_norm` takes the terms)."""
@@ -358,12 +408,15 @@ def fused_moe_w4a16_routed(
         if torch.compiler.is_compiling():
             # The tiles depend on the token count: picked at run time inside an opaque op, so
             # the trace neither branches on the count nor is specialised per token bucket.
-            return fused_moe_w4a16_measured(*args)
+            return fused_moe_w4a16_measured(
+                *args, w13_bias, w2_bias, activation.kind, activation.alpha, activation.limit
+            )
         top_k = topk_ids.shape[1]
         shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
         if has_tile_choices(shape):
             config = tile_choice(shape, topk_ids.shape[0])
-    return _routed_pair_outputs(*args, config or default_tile_config(topk_ids.shape[0]))
+    cfg = config or default_tile_config(topk_ids.shape[0])
+    return _routed_pair_outputs(*args, cfg, w13_bias, w2_bias, activation)
 
 
 def _routed_pair_outputs(
@@ -378,24 +431,39 @@ def _routed_pair_outputs(
     topk_ids: torch.Tensor,
     fmt: str,
     cfg: MoeTileConfig,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    act: ExpertActivation,
 ) -> torch.Tensor:  # [num_tokens, top_k, H]
-    """Each (token, expert) pair's output times its routing weight, on the path `cfg` selects."""
+    """Each (token, expert) pair's output times its routing weight, on the path `cfg` selects.
+
+    The options (biases, activation) reach the ops as keywords, and only where set: a SiLU layer
+    without biases calls them with their plain arguments."""
     if cfg.block_m == PAIR_MAJOR:
+        opts: dict = {}
+        if w13_bias is not None or w2_bias is not None or act != SILU:
+            opts = dict(w13_bias=w13_bias, w2_bias=w2_bias, act=act)
         return _fused_moe_w4a16_pairs(
             x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
-            cfg,
+            cfg, **opts,
         )  # fmt: skip
+    gate_up_opts: dict = {}
+    if w13_bias is not None or act != SILU:
+        gate_up_opts = dict(w13_bias=w13_bias, act_kind=act.kind, alpha=act.alpha, limit=act.limit)
+    down_opts = {} if w2_bias is None else {"w2_bias": w2_bias}
     num_tokens, top_k = topk_ids.shape
     tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
     sorted_ids, expert_ids, npad = moe_align_block_size(topk_ids, w13.shape[0], cfg.block_m)
     inter = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     moe_w4a16_gate_up(
-        x, w13, w13_scale, w13_global, sorted_ids, expert_ids, npad, inter, top_k, fmt, *tiles
-    )
+        x, w13, w13_scale, w13_global, sorted_ids, expert_ids, npad, inter, top_k, fmt, *tiles,
+        **gate_up_opts,
+    )  # fmt: skip
     y = torch.empty(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
     moe_w4a16_down(
-        inter, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, npad, y, fmt, *tiles
-    )
+        inter, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, npad, y, fmt, *tiles,
+        **down_opts,
+    )  # fmt: skip
     return y.view(num_tokens, top_k, -1)
 
 
@@ -411,6 +479,11 @@ def fused_moe_w4a16_measured(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     fmt: str,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act_kind: str = "silu",  # an ExpertActivation's fields
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:  # [num_tokens, top_k, H]
     """`fused_moe_w4a16_routed` with the installed tile choice for this call's token count, as
     one op that torch.compile does not look into."""
@@ -418,12 +491,14 @@ def fused_moe_w4a16_measured(
     shape = MoeShape(fmt, "w4a16", w13.shape[0], x.shape[-1], w13.shape[1] // 2, top_k)
     cfg = tile_choice(shape, num_tokens) or default_tile_config(num_tokens)
     return _routed_pair_outputs(
-        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt, cfg
-    )
+        x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt, cfg,
+        w13_bias, w2_bias, expert_activation(act_kind, alpha, limit),
+    )  # fmt: skip
 
 
 @fused_moe_w4a16_measured.register_fake
-def _(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt):
+def _(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
+      *args, **kwargs):  # fmt: skip
     return x.new_empty(x.shape[0], topk_ids.shape[1], w2.shape[1])
 
 
@@ -471,10 +546,12 @@ def _expert_of_pairs(
 def moe_w4a16_gate_up_ref(
     x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out,
     top_k, fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+    w13_bias=None, act_kind="silu", alpha=1.702, limit=7.0,
 ) -> None:  # fmt: skip
     """Torch reference of `moe_w4a16_gate_up` on the dequantized weights."""
     num_pairs = out.shape[0]
     inter = w13.shape[1] // 2
+    act = expert_activation(act_kind, alpha, limit)
     expert = _expert_of_pairs(sorted_ids, expert_ids, num_pairs, block_m)
     for e in expert.unique().tolist():
         if e < 0:
@@ -482,14 +559,14 @@ def moe_w4a16_gate_up_ref(
         pairs = torch.nonzero(expert == e).flatten().to(x.device)
         w = dequantize_w4_ref(w13[e : e + 1], w13_scale[e : e + 1], w13_global[e : e + 1], fmt,
                               x.dtype)[0]  # fmt: skip
-        h = torch.nn.functional.linear(x[pairs // top_k], w)  # [count, 2I]
-        gate, up = h[:, :inter], h[:, inter:]
-        out[pairs] = torch.nn.functional.silu(gate) * up
+        b = None if w13_bias is None else w13_bias[e]
+        h = torch.nn.functional.linear(x[pairs // top_k], w, b)  # [count, 2I]
+        out[pairs] = expert_activation_ref(h[:, :inter], h[:, inter:], act)
 
 
 def moe_w4a16_down_ref(
     a, w2, w2_scale, w2_global, topk_weights, sorted_ids, expert_ids, num_post_pad, out,
-    fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0,
+    fmt, block_m, block_n=0, block_k=0, num_warps=0, num_stages=0, w2_bias=None,
 ) -> None:  # fmt: skip
     """Torch reference of `moe_w4a16_down` on the dequantized weights."""
     num_pairs = out.shape[0]
@@ -501,15 +578,17 @@ def moe_w4a16_down_ref(
         pairs = torch.nonzero(expert == e).flatten().to(a.device)
         w = dequantize_w4_ref(w2[e : e + 1], w2_scale[e : e + 1], w2_global[e : e + 1], fmt,
                               a.dtype)[0]  # fmt: skip
-        y = torch.nn.functional.linear(a[pairs], w)
+        y = torch.nn.functional.linear(a[pairs], w, None if w2_bias is None else w2_bias[e])
         out[pairs] = (y.float() * rw[pairs, None]).to(out.dtype)
 
 
 def fused_moe_w4a16_ref(
     x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, fmt,
-    config: MoeTileConfig | None = None,
+    config: MoeTileConfig | None = None, *, w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU,
 ) -> torch.Tensor:  # fmt: skip
-    """Torch reference of `fused_moe_w4a16`: dequantize, then the plain per-expert MLP loop."""
+    """Torch reference of `fused_moe_w4a16`: dequantize, then the plain per-expert MLP loop
+    (each projection an unfused `F.linear` with its bias, rounded to x's dtype)."""
     num_tokens, top_k = topk_ids.shape
     w13_d = dequantize_w4_ref(w13, w13_scale, w13_global, fmt, x.dtype)
     w2_d = dequantize_w4_ref(w2, w2_scale, w2_global, fmt, x.dtype)
@@ -519,8 +598,10 @@ def fused_moe_w4a16_ref(
     rw = topk_weights.reshape(-1)
     for e in flat.unique().tolist():
         pairs = torch.nonzero(flat == e).flatten()
-        h = torch.nn.functional.linear(x[pairs // top_k], w13_d[e])
-        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        yy = torch.nn.functional.linear(act, w2_d[e])
+        b13 = None if w13_bias is None else w13_bias[e]
+        b2 = None if w2_bias is None else w2_bias[e]
+        h = torch.nn.functional.linear(x[pairs // top_k], w13_d[e], b13)
+        act = expert_activation_ref(h[:, :inter], h[:, inter:], activation)
+        yy = torch.nn.functional.linear(act, w2_d[e], b2)
         y[pairs] = (yy.float() * rw[pairs, None]).to(x.dtype)
     return y.view(num_tokens, top_k, -1).sum(dim=1)
