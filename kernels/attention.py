@@ -17,6 +17,9 @@ A sliding window (window > 0) limits each query at position p to keys at positio
 p - window < n <= p (its last `window` positions, itself included; transformers' Mistral
 convention); both paths skip the KV tiles wholly before it. 0 means full causal attention.
 
+Attention sinks (gpt-oss): a learned logit per query head that joins every softmax denominator
+and adds nothing to the output, so a row may give most of its weight to "nothing".
+
 FP8 caches are dequantized on load: k_scale folds into the score scale and v_scale into the
 output. Rows past query_start_loc[-1] (graph padding) are left as they are.
 """
@@ -113,9 +116,21 @@ def _load_q(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.cons
 
 
 @jit
-def _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
-               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, IS_FP8: tl.constexpr):  # fmt: skip
-    """out rows = acc / l (times v_scale for FP8 caches), in out's dtype."""
+def _sink_weight(sinks_ptr, head, row_ok, m_i, LOG2E: tl.constexpr):
+    """Each row's sink term of the softmax denominator, exp(sink) in the units of l (scaled by
+    2^-m with m the running max, log2 units)."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    return tl.exp2(tl.where(row_ok, sink * LOG2E - m_i, 0.0))  # masked rows: never stored
+
+
+@jit
+def _store_out(out_ptr, acc, l_i, m_i, v_scale_ptr, sinks_ptr, q_rows, head, row_ok, stride_ot,
+               stride_oh, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, IS_FP8: tl.constexpr,
+               HAS_SINKS: tl.constexpr, LOG2E: tl.constexpr):  # fmt: skip
+    """out rows = acc / l (times v_scale for FP8 caches), in out's dtype; with sinks, l also
+    holds each head's exp(sink)."""
+    if HAS_SINKS:
+        l_i = l_i + _sink_weight(sinks_ptr, head, row_ok, m_i, LOG2E)
     if IS_FP8:
         acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -137,6 +152,7 @@ def _varlen_kernel(
     query_start_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,  # [num_heads] fp32 (HAS_SINKS)
     scale,
     window,
     num_reqs,
@@ -156,6 +172,7 @@ def _varlen_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NEG_BIG: tl.constexpr,
     LOG2E: tl.constexpr,
@@ -208,8 +225,8 @@ def _varlen_kernel(
         cache_kv_stride, window, BLOCK_N, PAGE, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, DOT_PRECISION,
         STAGES,
     )  # fmt: skip
-    _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
-               HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
+    _store_out(out_ptr, acc, l_i, m_i, v_scale_ptr, sinks_ptr, q_rows, head, row_ok, stride_ot,
+               stride_oh, HEAD_DIM, DIM_PAD, IS_FP8, HAS_SINKS, LOG2E)  # fmt: skip
 
 
 @jit
@@ -225,6 +242,7 @@ def _decode_kernel(
     query_start_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     scale,
     window,
     stride_qt,
@@ -242,6 +260,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NEG_BIG: tl.constexpr,
     LOG2E: tl.constexpr,
@@ -287,8 +306,8 @@ def _decode_kernel(
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
-        _store_out(out_ptr, acc, l_i, v_scale_ptr, q_rows, head, row_ok, stride_ot, stride_oh,
-                   HEAD_DIM, DIM_PAD, IS_FP8)  # fmt: skip
+        _store_out(out_ptr, acc, l_i, m_i, v_scale_ptr, sinks_ptr, q_rows, head, row_ok,
+                   stride_ot, stride_oh, HEAD_DIM, DIM_PAD, IS_FP8, HAS_SINKS, LOG2E)  # fmt: skip
     else:
         part = (q_rows * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split  # [ROWS]
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -306,6 +325,7 @@ def _merge_splits_kernel(
     seq_lens_ptr,
     query_start_ptr,
     v_scale_ptr,
+    sinks_ptr,
     window,
     stride_ot,
     stride_oh,
@@ -316,6 +336,8 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    LOG2E: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -344,6 +366,8 @@ def _merge_splits_kernel(
     m = tl.max(m_s, 0)
     w = tl.where(s_ok, tl.exp2(m_s - m), 0.0)
     total = tl.sum(w * l_s, 0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * LOG2E - m)
     out = tl.sum(w[:, None] * acc_s, 0) / tl.where(total > 0.0, total, 1.0)  # [DIM_PAD]
     if IS_FP8:
         out = out * tl.load(v_scale_ptr)
@@ -361,6 +385,7 @@ def _check(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
         raise ValueError(
@@ -375,6 +400,13 @@ def _check(
         )
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must have q's shape and dtype and a unit stride in its last dim")
+    if sinks is not None and (
+        sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
+    ):
+        raise ValueError(
+            f"sinks must be a contiguous fp32 [{q.shape[1]}] tensor (one per query head), got "
+            f"{sinks.dtype} {tuple(sinks.shape)}"
+        )
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
         raise ValueError(
@@ -407,6 +439,7 @@ def _paged_attention_op(
     max_query_len: int,
     num_splits: int,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     check_device(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -423,12 +456,14 @@ def _paged_attention_op(
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         IS_FP8=kv_cache.dtype == FP8_DTYPE,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEG_BIG=_NEG_BIG,
         LOG2E=_LOG2E,
         **pdl_args(q.device),
     )
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0))
+    sinks_arg = k_scale if sinks is None else sinks  # any pointer when there are none
     rows = next_pow2(max(16, max_query_len * group))
     # Uniform when the rows add up to num_reqs * max_query_len (each request has at most that
     # many). The decode kernel still reads every request's own query_len.
@@ -445,17 +480,18 @@ def _paged_attention_op(
             ]
         _decode_kernel[(num_reqs, num_kv_heads, splits)](
             q, kv_cache, out, *parts, block_table, seq_lens, query_start_loc, k_scale, v_scale,
-            scale, window, *strides, kv_cache.stride(0),
+            sinks_arg, scale, window, *strides, kv_cache.stride(0),
             GROUP=group, ROWS=rows, NUM_SPLITS=splits, BLOCK_N=DECODE_BLOCK_N, **common,
             STAGES=DECODE_STAGES, num_warps=DECODE_WARPS,
         )  # fmt: skip
         if splits > 1:
             _merge_splits_kernel[(num_reqs, num_heads, max_query_len)](
-                out, *parts, seq_lens, query_start_loc, v_scale, window, out.stride(0),
+                out, *parts, seq_lens, query_start_loc, v_scale, sinks_arg, window, out.stride(0),
                 out.stride(1),
                 NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
                 BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                IS_FP8=common["IS_FP8"], num_warps=4, **pdl_args(q.device),
+                IS_FP8=common["IS_FP8"], HAS_SINKS=common["HAS_SINKS"], LOG2E=_LOG2E,
+                num_warps=4, **pdl_args(q.device),
             )  # fmt: skip
         return
 
@@ -466,8 +502,8 @@ def _paged_attention_op(
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _varlen_kernel[grid](
-        q, kv_cache, out, block_table, seq_lens, query_start_loc, k_scale, v_scale, scale,
-        window, num_reqs, *strides, kv_cache.stride(0),
+        q, kv_cache, out, block_table, seq_lens, query_start_loc, k_scale, v_scale, sinks_arg,
+        scale, window, num_reqs, *strides, kv_cache.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=VARLEN_BLOCK_N, **common, STAGES=VARLEN_STAGES, num_warps=VARLEN_WARPS,
     )  # fmt: skip
@@ -475,7 +511,7 @@ def _paged_attention_op(
 
 @_paged_attention_op.register_fake
 def _(q, kv_cache, block_table, seq_lens, query_start_loc, out, scale, k_scale, v_scale,
-      max_query_len, num_splits, window=0) -> None:  # fmt: skip
+      max_query_len, num_splits, window=0, sinks=None) -> None:  # fmt: skip
     return None
 
 
@@ -492,13 +528,14 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
     num_splits: int = 0,  # decode path's context splits; 0 picks by shape
     window: int = 0,  # sliding window: keys in (p - window, p] for a query at p; 0 = none
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32 attention sinks (logits); None: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention for a mixed batch; writes and returns `out` (allocated if None)."""
     out = torch.empty_like(q) if out is None else out
-    _check(q, kv_cache, block_table, seq_lens, query_start_loc, out)
+    _check(q, kv_cache, block_table, seq_lens, query_start_loc, out, sinks)
     torch.ops.libkk.paged_attention(
         q, kv_cache, block_table, seq_lens, query_start_loc, out, scale, k_scale, v_scale,
-        max_query_len, num_splits, window,
+        max_query_len, num_splits, window, sinks,
     )  # fmt: skip
     return out
 
@@ -516,13 +553,14 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     num_splits: int = 0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `paged_attention`: one fp32 softmax per request, straight from the math.
 
     `max_query_len` and `num_splits` only steer the kernels; the reference ignores them.
     """
     out = torch.empty_like(q) if out is None else out
-    _check(q, kv_cache, block_table, seq_lens, query_start_loc, out)
+    _check(q, kv_cache, block_table, seq_lens, query_start_loc, out, sinks)
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     is_fp8 = kv_cache.dtype == FP8_DTYPE
@@ -547,6 +585,10 @@ def paged_attention_ref(
         visible = k_pos <= q_pos
         if window > 0:
             visible &= k_pos > q_pos - window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, query_len, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = scores.softmax(-1)[..., :seq_len]
         out[q_start:q_end] = (probs @ values).transpose(0, 1).to(q.dtype)
     return out

@@ -8,6 +8,10 @@ A layer with a sliding window W lets a query at position p see keys at positions
 (transformers' Mistral convention). The cache still keeps every block of a request: blocks wholly
 before the window are only skipped, never freed.
 
+A layer with attention sinks (gpt-oss) holds one learned logit per query head that joins each
+softmax's denominator and contributes no value: softmax over [scores, sink], the sink's column
+dropped.
+
 FP8 (e4m3) caches hold k / k_scale and v / v_scale, saturated at +-448, and reads multiply back.
 Each layer owns its [1] fp32 k_scale / v_scale (1.0 unless a checkpoint brings them or the layer
 calibrates them from the first prefill it stores); other cache dtypes ignore the scales.
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libkk.distributed import get_tp_rank
+from libkk.errors import CorruptCheckpointError
 from libkk.kernels.norm import qk_norm_rope, qk_norm_rope_ref
 from libkk.layers.forward_context import AttentionMetadata, get_forward_context
 from libkk.layers.linear import takes_kernels
@@ -36,7 +42,8 @@ class AttentionBackend(abc.ABC):
     Invariants: `forward` first stores k/v at `metadata.slot_mapping` (rows mapped to the null
     block's slots are padding and may be written there, never elsewhere), then returns the output
     for every query row; rows of different requests never see each other. `window` > 0 limits a
-    query at position p to keys in (p - window, p]; 0 is full causal attention.
+    query at position p to keys in (p - window, p]; 0 is full causal attention. `sinks`
+    ([num_heads] fp32 logits) join every row's softmax denominator.
     """
 
     @abc.abstractmethod
@@ -51,6 +58,7 @@ class AttentionBackend(abc.ABC):
         k_scale: torch.Tensor | None = None,  # [1] fp32, FP8 caches only; None: 1.0
         v_scale: torch.Tensor | None = None,  # [1] fp32
         window: int = 0,  # sliding window; 0: none
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32 attention sinks; None: none
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -67,6 +75,7 @@ class AttentionBackend(abc.ABC):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """`forward` after the prologue's norms and rotation of q and k. A backend may fuse
         them with the KV store; this one applies them first."""
@@ -74,7 +83,7 @@ class AttentionBackend(abc.ABC):
         n, d = q.shape[0], prologue.head_dim
         return self.forward(
             q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d), kv_cache, metadata, scale,
-            k_scale, v_scale, window,
+            k_scale, v_scale, window, sinks,
         )  # fmt: skip
 
 
@@ -169,10 +178,12 @@ class TorchAttentionBackend(AttentionBackend):
     else runs one SDPA call per request, with a causal mask over its new tokens.
     """
 
-    def forward(self, q, k, v, kv_cache, metadata, scale, k_scale=None, v_scale=None, window=0):
+    def forward(
+        self, q, k, v, kv_cache, metadata, scale, k_scale=None, v_scale=None, window=0, sinks=None
+    ):
         store_kv(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1 and metadata.num_reqs > 1:
-            return self._decode(q, kv_cache, metadata, scale, k_scale, v_scale, window)
+            return self._decode(q, kv_cache, metadata, scale, k_scale, v_scale, window, sinks)
         block_size = metadata.block_size
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_cpu
@@ -186,7 +197,9 @@ class TorchAttentionBackend(AttentionBackend):
             # otherwise the context comes from the cache, with an explicit mask. A window that
             # hides keys makes the mask explicit in every case.
             windowed = 0 < window < seq_len
-            mask, causal = None, query_len > 1 and query_len == seq_len and not windowed
+            # Sinks take an explicit mask too (their column is added to it).
+            explicit = windowed or sinks is not None
+            mask, causal = None, query_len > 1 and query_len == seq_len and not explicit
             own_keys = query_len == seq_len
             if own_keys:
                 keys, values = k[q_start:q_end], v[q_start:q_end]  # [seq_len, kv_heads, dim]
@@ -200,7 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
             # [num_kv_heads, seq_len, head_dim]
             keys = dequantize(keys, k_scale, q.dtype).transpose(0, 1)
             values = dequantize(values, v_scale, q.dtype).transpose(0, 1)
-            if (query_len > 1 and not causal) or windowed:
+            if (query_len > 1 and not causal) or explicit:
                 # Query row r sits at position seq_len - query_len + r and sees keys up to it
                 # (and, with a window, after q_pos - window).
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -208,21 +221,24 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = k_pos <= q_pos
                 if windowed:
                     mask &= k_pos > q_pos - window
+            queries = q[q_start:q_end].transpose(0, 1)[None]
+            if sinks is not None:
+                keys, values, mask = _with_sink_column(keys, values, mask, sinks)
             # NOTE: 4-D inputs (a batch of one): CPU SDPA runs its fused kernel on them, but the
             # slow math path on 3-D ones (5x at 1.5K tokens).
             out[q_start:q_end] = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1)[None],
+                queries,
                 keys[None],
                 values[None],
                 attn_mask=mask,
                 is_causal=causal,
                 scale=scale,
-                enable_gqa=True,
+                enable_gqa=sinks is None,
             )[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, metadata, scale, k_scale, v_scale, window=0):
+    def _decode(q, kv_cache, metadata, scale, k_scale, v_scale, window=0, sinks=None):
         num_reqs = metadata.num_reqs
         max_blocks = -(-metadata.max_seq_len // metadata.block_size)
         blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
@@ -242,15 +258,41 @@ class TorchAttentionBackend(AttentionBackend):
         invalid = ~mask[:, None, :, None]
         keys.masked_fill_(invalid, 0.0)
         values.masked_fill_(invalid, 0.0)
+        attn_mask = mask[:, None, None, :]
+        if sinks is not None:
+            keys, values, attn_mask = _with_sink_column(keys, values, attn_mask, sinks)
         out = F.scaled_dot_product_attention(
             q.view(num_reqs, -1, 1, q.shape[-1]),
             keys,
             values,
-            attn_mask=mask[:, None, None, :],
+            attn_mask=attn_mask,
             scale=scale,
-            enable_gqa=True,
+            enable_gqa=sinks is None,
         )  # [num_reqs, num_heads, 1, head_dim]
         return out.view(num_reqs, -1, q.shape[-1])
+
+
+def _with_sink_column(
+    keys: torch.Tensor,  # [..., num_kv_heads, seq_len, head_dim]
+    values: torch.Tensor,  # [..., num_kv_heads, seq_len, head_dim]
+    mask: torch.Tensor,  # bool, broadcastable to [..., num_heads, query_len, seq_len]
+    sinks: torch.Tensor,  # [num_heads] fp32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values with one more position per head whose score is the head's sink: a zero
+    key (q.k = 0) with the sink as its additive mask, and a zero value. Repeated to every query
+    head (each head has its own sink column). The mask becomes additive (0 / -inf / sink)."""
+    num_heads = sinks.shape[0]
+    group = num_heads // keys.shape[-3]
+    keys = keys.repeat_interleave(group, dim=-3)
+    values = values.repeat_interleave(group, dim=-3)
+    zero = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    keys, values = torch.cat((keys, zero), dim=-2), torch.cat((values, zero), dim=-2)
+    lead, (q_len, seq_len) = mask.shape[:-3], mask.shape[-2:]
+    visible = mask.expand(*lead, num_heads, q_len, seq_len)
+    bias = torch.zeros((*lead, num_heads, q_len, seq_len + 1), dtype=keys.dtype, device=keys.device)
+    bias[..., :seq_len].masked_fill_(~visible, float("-inf"))
+    bias[..., seq_len] = sinks.to(keys.dtype)[:, None]
+    return keys, values, bias
 
 
 _BACKENDS: dict[str, AttentionBackend] = {"cpu": TorchAttentionBackend()}
@@ -279,6 +321,8 @@ class Attention(IndexedLayer):
     rotated right before attention (Qwen3) sets `qk_norm_rope` and passes the step's positions:
     the layer applies them, so the backend can fuse them with the KV store. `sliding_window` W
     (None: full attention) lets a query at position p see keys at positions p - W < n <= p.
+    With `sinks`, the layer holds `sinks` [num_heads] fp32, this rank's heads' sink logits
+    (a checkpoint's `self_attn.sinks` holds every head's; the loader takes this rank's).
     """
 
     layer_kind = "attention"
@@ -290,6 +334,7 @@ class Attention(IndexedLayer):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
@@ -311,6 +356,24 @@ class Attention(IndexedLayer):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibration_pending = False
         self.qk_norm_rope: QKNormRope | None = None  # not submodules: the model owns them
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(num_heads, dtype=torch.float32), requires_grad=False
+            )
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+
+    def _load_sinks(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: object = None
+    ) -> None:
+        if loaded.dim() != 1 or loaded.shape[0] % self.num_heads:
+            raise CorruptCheckpointError(
+                f"tensor {name!r} has shape {tuple(loaded.shape)}, expected one sink per "
+                "attention head"
+            )
+        if loaded.shape[0] != self.num_heads:  # every head's: take this rank's
+            loaded = loaded.narrow(0, get_tp_rank() * self.num_heads, self.num_heads)
+        param.data.copy_(loaded.float())
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """Sets the FP8 cache scales (stored value = x / scale) in place.
@@ -366,7 +429,7 @@ class Attention(IndexedLayer):
             else:
                 out = backend.forward_qk_norm_rope(
                     q, k, v, self.qk_norm_rope, positions, self.kv_cache, metadata, self.scale,
-                    self.k_scale, self.v_scale, self.window,
+                    self.k_scale, self.v_scale, self.window, self.sinks,
                 )  # fmt: skip
                 return out.reshape(n, self.num_heads * self.head_dim)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -375,8 +438,9 @@ class Attention(IndexedLayer):
         if self.calibration_pending:
             self._calibrate(k, v, metadata)
         out = backend.forward(
-            q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale, self.window
-        )
+            q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale, self.window,
+            self.sinks,
+        )  # fmt: skip
         return out.reshape(n, self.num_heads * self.head_dim)
 
     def _calibrate(self, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:

@@ -42,14 +42,15 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,  # [1] fp32 on the cache's device; None: 1.0
         v_scale: torch.Tensor | None = None,
         window: int = 0,  # sliding window; 0: none
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32 attention sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         k_scale, v_scale = self._scales(kv_cache.device, k_scale, v_scale)
         store_kv(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
-        return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale, window)
+        return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale, window, sinks)
 
     def forward_qk_norm_rope(
         self, q, k, v, prologue, positions, kv_cache, metadata, scale, k_scale=None, v_scale=None,
-        window=0,
+        window=0, sinks=None,
     ):  # fmt: skip
         """One kernel normalizes and rotates q and k and stores k and v (k never reaches
         memory outside the cache), then the attention kernel."""
@@ -60,7 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
             q_out,
         )  # fmt: skip
         q = q_out.view(q.shape[0], -1, prologue.head_dim)
-        return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale, window)
+        return self._attend(q, kv_cache, metadata, scale, k_scale, v_scale, window, sinks)
 
     def _scales(
         self, device: torch.device, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
@@ -68,7 +69,9 @@ class TritonAttentionBackend(AttentionBackend):
         unit_k, unit_v = self.unit_scales(device)
         return (unit_k if k_scale is None else k_scale), (unit_v if v_scale is None else v_scale)
 
-    def _attend(self, q, kv_cache, metadata, scale, k_scale, v_scale, window=0) -> torch.Tensor:
+    def _attend(
+        self, q, kv_cache, metadata, scale, k_scale, v_scale, window=0, sinks=None
+    ) -> torch.Tensor:
         return paged_attention(
             q,
             kv_cache,
@@ -80,4 +83,5 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale,
             metadata.max_query_len,
             window=window,
+            sinks=sinks,
         )

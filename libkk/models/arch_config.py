@@ -41,9 +41,11 @@ class ArchConfig:
     # Every layer's attention window (Mistral, Phi-3): a query at p sees keys in (p - W, p].
     # None: full causal attention.
     sliding_window: int | None = None
-    # Per-layer attention kind (Gemma 3): "sliding_attention" layers take `sliding_window` and
-    # `local_rope`, "full_attention" layers full attention and `rope`. Empty: every layer alike.
+    # Per-layer attention kind (Gemma 3, gpt-oss): "sliding_attention" layers take
+    # `sliding_window` (and Gemma's `local_rope`), "full_attention" layers full attention and
+    # `rope`. Empty: every layer alike.
     layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
     local_rope: RopeConfig | None = None  # RoPE of the sliding layers; None: `rope`
     attention_scale: float | None = None  # scale of q.k; None: head_dim ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
@@ -52,6 +54,14 @@ class ArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the top-k routing weights
+    router_bias: bool = False  # the router linear has a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    # The experts' clamped SwiGLU (gpt-oss): gate * sigmoid(alpha * gate) * (up + 1), gate and up
+    # clamped at `swiglu_limit`; None: SiLU(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # The checkpoint stores its experts as MXFP4 blocks and scales (quantization_config mxfp4).
+    mxfp4_experts: bool = False
     moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is a sparse MoE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -62,6 +72,12 @@ class ArchConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 _REQUIRED = object()
@@ -118,6 +134,8 @@ def parse_arch_config(raw: Mapping[str, Any], source: str = "config.json") -> Ar
         raise unsupported_architecture(architecture, source)
     f = _Fields(raw, source)
     quantization = f.get("quantization_config")
+    if architecture in _NATIVE_MXFP4 and _is_mxfp4_config(quantization):
+        quantization = None  # the family's own expert format: its parser says so
     if quantization is not None and not is_fp8_block_config(quantization):
         method = (quantization or {}).get("quant_method", "unknown")
         raise f.unsupported(
@@ -140,7 +158,17 @@ _MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
 }
+
+# Families whose checkpoints may store their experts as MXFP4 blocks and scales
+# (`quantization_config: {"quant_method": "mxfp4"}`).
+_NATIVE_MXFP4 = frozenset({"GptOssForCausalLM"})
+
+
+def _is_mxfp4_config(quantization: Any) -> bool:
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+
 
 # Families whose parser reads and checks the activation itself (another field name).
 _OWN_ACTIVATION = frozenset({"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
@@ -524,6 +552,53 @@ def _gemma3(f: _Fields, architecture: str) -> ArchConfig:
     )
 
 
+def _gpt_oss(f: _Fields, architecture: str) -> ArchConfig:
+    """gpt-oss: every layer an MoE of biased experts with the clamped SwiGLU, a biased router
+    (softmax over the top-k logits), attention with biases and sinks, sliding (128) and full
+    layers alternating, YaRN RoPE."""
+    base = _base(
+        f, architecture, default_theta=150000.0, default_eps=1e-5, default_max_position=131072,
+        default_head_dim=64,
+    )  # fmt: skip
+    num_layers = base["num_layers"]
+    layer_types = f.get("layer_types")
+    if layer_types is None:  # GptOssConfig's default: sliding first, then alternating
+        layer_types = [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+        ]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(kind not in _GEMMA3_LAYER_TYPES for kind in layer_types)
+    ):
+        raise f._bad(
+            "layer_types", layer_types, f"{num_layers} of {', '.join(_GEMMA3_LAYER_TYPES)}"
+        )
+    bias = f.bool("attention_bias", True)
+    limit = f.float("swiglu_limit", 7.0)
+    if limit <= 0:
+        raise f._bad("swiglu_limit", limit, "a positive number")
+    quantization = f.get("quantization_config")
+    return ArchConfig(
+        **base,
+        qkv_bias=bias,
+        o_proj_bias=bias,
+        sliding_window=_sliding_window(f, 128, base["max_position_embeddings"]),
+        layer_types=tuple(layer_types),
+        attention_sinks=True,
+        num_experts=f.int("num_local_experts", 128),
+        num_experts_per_tok=f.int("num_experts_per_tok", f.get("experts_per_token", 4)),
+        moe_intermediate_size=base["intermediate_size"],
+        norm_topk_prob=True,  # softmax over the top-k logits: the renormalized top-k
+        moe_layers=tuple(range(num_layers)),
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=limit,
+        swiglu_alpha=f.float("swiglu_alpha", 1.702),
+        mxfp4_experts=_is_mxfp4_config(quantization),
+    )
+
+
 _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "LlamaForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
@@ -534,4 +609,5 @@ _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "Phi3ForCausalLM": _phi3,
     "Gemma3ForCausalLM": _gemma3,
     "Gemma3ForConditionalGeneration": _gemma3,
+    "GptOssForCausalLM": _gpt_oss,
 }

@@ -56,7 +56,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVLinear(
@@ -75,7 +75,8 @@ class LlamaAttention(nn.Module):
             config.head_dim,
             self.num_kv_heads,
             scale=config.head_dim**-0.5,
-            sliding_window=config.sliding_window,
+            sliding_window=config.window_of(layer_idx),
+            sinks=config.attention_sinks,
         )
 
     def forward(
@@ -165,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
     - `forward(input_ids, positions) -> hidden`, run under `set_forward_context(...)`;
     - `compute_logits(hidden [N, hidden]) -> [N, vocab] float32`;
     - `attention_layers()`: the `Attention` modules in layer order (the runner binds `kv_cache`);
+    - `convert_checkpoint(tensors) -> tensors`: the checkpoint's tensors in the names and layouts
+      libkk's streams and `load_weights` take (a family's own stacked layouts made per-expert);
     - `load_weights(weights) -> set[str]`: the parameter names that were fully loaded.
     """
 
@@ -180,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope
         )
         layers = [
-            LlamaDecoderLayer(config, self.make_attention(config), self.make_mlp(config, i))
+            LlamaDecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i))
             for i in range(config.num_layers)
         ]
         self.model = LlamaModel(config, layers)
@@ -189,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
 
     # -- family hooks ---------------------------------------------------------------------
 
-    def make_attention(self, config: ArchConfig) -> nn.Module:
-        return LlamaAttention(config, self.rotary_emb)
+    def make_attention(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        return LlamaAttention(config, self.rotary_emb, layer_idx)
 
     def make_mlp(self, config: ArchConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
@@ -260,6 +263,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def convert_checkpoint(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return tensors
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -83,7 +83,15 @@ def load_model(
     quant = _read_quant_config(model_dir)
     if quant is not None and quant.get("csf") and config.is_moe:
         check_csf_split(config.moe_intermediate_size, "experts' gate/up projections")
-    moe = _moe_options(model_dir, device, moe_weight_format, csf_prefetch, moe_prefill_activations)
+    if config.mxfp4_experts and moe_weight_format is not None:
+        raise ConfigError(
+            f"moe_weight_format={moe_weight_format!r}: this checkpoint's experts are MXFP4 already "
+            "(its quantization_config); load it without moe_weight_format"
+        )
+    native = "mxfp4" if config.mxfp4_experts else None
+    moe = _moe_options(
+        model_dir, device, moe_weight_format, csf_prefetch, moe_prefill_activations, native
+    )
     with torch.device(device), _default_dtype(dtype), moe_options(moe):
         model = model_cls(config)
     model.eval()
@@ -102,6 +110,8 @@ def load_model(
         presplit = not fp8_blocks and (moe_weight_format is None or packed)
         reader = ShardedReader(model.weight_slices, quant, presplit, packed_experts=packed)
 
+    if config.mxfp4_experts:  # per-expert MXFP4 parts once the model converted its stacked ones
+        quant = quant_config("mxfp4")
     # The streams that work on the tensors on the host before the model takes them.
     quantize_on_load = quant is None and moe_weight_format is not None
     if quantize_on_load:  # through the same path a quantized checkpoint takes
@@ -129,6 +139,7 @@ def load_model(
             tensors = _staged_tensors(staged, staged_files, shards, current, bar)
         else:
             tensors = _iter_tensors(shards, current, bar, None if reader is None else reader.read)
+        tensors = model.convert_checkpoint(tensors)
         if quantize_on_load:
             tensors = quantize_stream(tensors, moe_weight_format)
         if dequantize:
@@ -250,12 +261,15 @@ def _moe_options(
     moe_weight_format: str | None,
     csf_prefetch: bool,
     prefill_activations: str | None,
+    native_format: str | None = None,
 ) -> MoeOptions:
     """4-bit experts stay packed (fused kernels) on CUDA; elsewhere they are dequantized on
     load and run the plain torch path. CSF prefetch needs one rank: a rank's down-projection
-    scales are cut from decoded blobs."""
+    scales are cut from decoded blobs. `native_format`: the experts' format in a checkpoint
+    whose model family stores them 4-bit itself (gpt-oss: MXFP4); the model converts them."""
     quant = _read_quant_config(model_dir)
     fmt = str(quant["quant_algo"]).lower() if quant is not None else moe_weight_format
+    fmt = fmt or native_format
     packed = fmt is not None and torch.device(device).type == "cuda"
     if packed and csf_prefetch and get_tp_size() > 1:
         logger.info("csf_prefetch: ignored at tensor_parallel_size > 1")

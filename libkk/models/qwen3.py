@@ -13,8 +13,8 @@ from libkk.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(config, rotary_emb)
+    def __init__(self, config: ArchConfig, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
+        super().__init__(config, rotary_emb, layer_idx)
         # Normalizes each head's vector (over head_dim), shared across heads.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -32,5 +32,5 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def make_attention(self, config: ArchConfig) -> nn.Module:
-        return Qwen3Attention(config, self.rotary_emb)
+    def make_attention(self, config: ArchConfig, layer_idx: int) -> nn.Module:
+        return Qwen3Attention(config, self.rotary_emb, layer_idx)

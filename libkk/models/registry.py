@@ -20,6 +20,7 @@ _MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "libkk.models.gemma3:Gemma3ForCausalLM",
     # The text tower only: the vision weights are skipped.
     "Gemma3ForConditionalGeneration": "libkk.models.gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "libkk.models.gpt_oss:GptOssForCausalLM",
 }
 
 

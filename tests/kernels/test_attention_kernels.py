@@ -380,3 +380,93 @@ def test_sliding_window_backends_match_reference(batch):
     n = b.num_real_tokens
     torch.testing.assert_close(got_torch[:n], want[:n], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got_triton[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
+# --- attention sinks ------------------------------------------------------------------------------
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    # Around the scores' size, so the sink takes a real share of each row (some rows most of it).
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_heads, generator=g) * 2.0).to(DEVICE)
+
+
+def _sink_reference_by_hand(b: PagedBatch, sinks: torch.Tensor, window: int) -> torch.Tensor:
+    """Each row: exp(scores) / (sum exp(scores) + exp(sink)) over its visible keys, the sink's
+    definition written out, one query row at a time."""
+    page, num_kv_heads = b.kv_cache.shape[2], b.kv_cache.shape[3]
+    group = b.q.shape[1] // num_kv_heads
+    out = torch.zeros(b.num_real_tokens, *b.q.shape[1:], dtype=torch.float64, device=b.q.device)
+    starts = b.query_start_loc.tolist()
+    for i, (query_len, seq_len) in enumerate(zip(b.query_lens, b.seq_lens_list, strict=True)):
+        blocks = b.block_table[i, : -(-seq_len // page)].long()
+        keys = b.kv_cache[0, blocks].flatten(0, 1)[:seq_len].double().repeat_interleave(group, 1)
+        values = b.kv_cache[1, blocks].flatten(0, 1)[:seq_len].double().repeat_interleave(group, 1)
+        for r in range(query_len):
+            pos = seq_len - query_len + r
+            lo = max(0, pos - window + 1) if window else 0
+            qr = b.q[starts[i] + r].double()
+            scores = torch.einsum("hd,nhd->hn", qr, keys[lo : pos + 1]) * b.scale
+            e = scores.exp()
+            weights = e / (e.sum(-1, keepdim=True) + sinks.double().exp()[:, None])
+            out[starts[i] + r] = torch.einsum("hn,nhd->hd", weights, values[lo : pos + 1])
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("batch", ["prefill", "prefix-hit", "decode", "verify", "mixed"])
+def test_sinks_match_reference(small_tiles, batch, window):
+    b = _batch(batch, "gqa2", torch.float32, seed=21)
+    sinks = _sinks(b.q.shape[1], 3)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args(), window=window, sinks=sinks)
+    n = b.num_real_tokens
+    torch.testing.assert_close(
+        want[:n].double(), _sink_reference_by_hand(b, sinks, window), atol=1e-5, rtol=1e-5
+    )
+    got = paged_attention(*b.attention_args(), out=torch.full_like(b.q, float("nan")),
+                          window=window, sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+    # The sinks change the output: they are not ignored.
+    assert not torch.allclose(want[:n], paged_attention_ref(*b.attention_args(), window=window)[:n])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+@pytest.mark.parametrize("batch", ["decode", "verify"])
+def test_sinks_decode_splits(small_tiles, batch, num_splits):
+    """The merge of split partial softmaxes adds each head's sink once."""
+    b = _batch(batch, "gqa4", torch.float32, seed=22)
+    sinks = _sinks(b.q.shape[1], 4)
+    store_kv_ref(b.k, b.v, b.kv_cache, b.slot_mapping, b.k_scale, b.v_scale)
+    want = paged_attention_ref(*b.attention_args(), sinks=sinks)
+    got = paged_attention(*b.attention_args(), num_splits=num_splits, sinks=sinks)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("batch", ["prefill", "prefix-hit", "decode", "mixed"])
+def test_sinks_backends_match_reference(batch):
+    """The torch backend (the CPU path) and the Triton backend take the sinks as the reference
+    op does, with a window too."""
+    b = _batch(batch, "gqa2", torch.float32, seed=23)
+    sinks = _sinks(b.q.shape[1], 5)
+    cache_torch = b.kv_cache.clone()
+    meta = b.metadata()
+    got_triton = TritonAttentionBackend().forward(
+        b.q, b.k, b.v, b.kv_cache, meta, b.scale, window=6, sinks=sinks
+    )
+    got_torch = TorchAttentionBackend().forward(
+        b.q, b.k, b.v, cache_torch, meta, b.scale, window=6, sinks=sinks
+    )
+    want = paged_attention_ref(*b.attention_args(), window=6, sinks=sinks)
+    n = b.num_real_tokens
+    torch.testing.assert_close(got_torch[:n], want[:n], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_triton[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
+def test_sinks_rejects_bad_shapes():
+    b = _batch("decode", "gqa2", torch.float32)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention(*b.attention_args(), sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention(*b.attention_args(), sinks=torch.zeros(b.q.shape[1], device=DEVICE).half())

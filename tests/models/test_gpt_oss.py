@@ -1,0 +1,241 @@
+"""gpt-oss against transformers (eager attention, fp32, CPU).
+
+A tiny random GptOssForCausalLM saved with `save_pretrained` (transformers' float layout: stacked,
+interleaved gate/up experts): sliding (window 8) and full layers alternating under 40-token
+prompts, attention sinks large enough to take a real share of each softmax, YaRN RoPE, biases in
+attention, router and experts, and the clamped SwiGLU with gate/up values past its limit.
+Checked: prefill logits of a flat batch, 32 greedy tokens through the engine alone, batched, with
+chunked prefill, with prefix-cache hits and under preemption; and the released MXFP4 layout
+(`*_blocks` / `*_scales` with quantization_config mxfp4), which must give exactly what the
+float checkpoint of the same dequantized experts gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+from libkk.kernels.moe import ExpertActivation
+from paged_helpers import PagedKV
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from libkk import SamplingParams, Session
+from libkk.errors import ConfigError
+from libkk.models.arch_config import parse_arch_config
+from libkk.models.loader import load_model
+from libkk.quant.formats import dequantize_mxfp4, quantize_mxfp4
+from tests.checkpoints import save_with_word_tokenizer
+
+CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=None,
+    swiglu_limit=1.5,  # low, so the tiny model's gate/up values cross it
+    rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+    },
+)  # fmt: skip
+
+GEN = 32
+PROMPTS = [
+    [(7 * i + 5) % 256 for i in range(40)],
+    [(7 * i + 5) % 256 for i in range(24)] + [(11 * i + 3) % 256 for i in range(21)],  # shares 24
+    [(13 * i + 2) % 256 for i in range(41)],
+]
+
+
+def _randomize(model: nn.Module, seed: int) -> None:
+    """Wider than HF's init so every part matters: sinks around the scores' size, router and
+    expert weights large enough for distinct routing and clamped activations."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "sinks" in name:
+                p.copy_(1.5 * noise)
+            else:
+                p.copy_((0.05 if "embed_tokens" in name else 0.3) * noise)
+
+
+def _load_hf(path: Path) -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    _randomize(model, seed=3)
+    path = save_with_word_tokenizer(model, tmp_path_factory.mktemp("gpt-oss"))
+    return path, _load_hf(path)
+
+
+@torch.no_grad()
+def _hf_greedy(hf: nn.Module, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):  # full recompute every step
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_config_parse(saved) -> None:
+    path, _ = saved
+    arch = parse_arch_config(json.loads((path / "config.json").read_text()))
+    assert arch.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [arch.window_of(i) for i in range(3)] == [8, None, 8]
+    assert arch.attention_sinks and arch.router_bias and arch.expert_bias
+    assert arch.qkv_bias and arch.o_proj_bias and not arch.tie_word_embeddings
+    assert (arch.swiglu_limit, arch.swiglu_alpha) == (1.5, 1.702)
+    assert arch.rope.rope_type == "yarn" and not arch.rope.truncate
+    assert arch.num_experts == 4 and arch.norm_topk_prob and not arch.mxfp4_experts
+
+
+@torch.no_grad()
+def test_prefill_logits_match_hf(saved) -> None:
+    path, hf = saved
+    kk, _ = load_model(path, torch.float32, torch.device("cpu"), progress=False)
+    layers = kk.attention_layers()
+    assert [a.sliding_window for a in layers] == [8, None, 8]
+    assert all(a.sinks is not None for a in layers)
+    logits = PagedKV(kk, block_size=4).prefill_logits(PROMPTS)  # one flat batch
+    for prompt, got in zip(PROMPTS, logits, strict=True):
+        want = hf(torch.tensor([prompt])).logits[0]
+        assert (got - want).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_every_part_matters(saved) -> None:
+    """Sinks, the clamp and the expert biases each change the logits (a reference that ignored
+    one of them would not match by accident)."""
+    path, _ = saved
+    kk, _ = load_model(path, torch.float32, torch.device("cpu"), progress=False)
+    base = PagedKV(kk, block_size=4).prefill_logits(PROMPTS[:1])[0]
+    unclamped = ExpertActivation("clamped_swiglu", limit=1e4)
+    edits = (
+        lambda layer: layer.self_attn.attn.sinks.fill_(-1e4),
+        lambda layer: setattr(layer.mlp.experts, "activation", unclamped),
+        lambda layer: layer.mlp.experts.w2_bias.zero_(),
+    )
+    changes = []
+    for edit in edits:
+        kk2, _ = load_model(path, torch.float32, torch.device("cpu"), progress=False)
+        edit(kk2.model.layers[0])
+        got = PagedKV(kk2, block_size=4).prefill_logits(PROMPTS[:1])[0]
+        changes.append((got - base).abs().max().item())
+    assert all(c > 1e-3 for c in changes), changes
+
+
+def test_greedy_through_the_engine_matches_hf(saved) -> None:
+    """32 greedy tokens: alone, batched, chunked (7-token steps), from the prefix cache and with
+    preemption (a KV pool too small for all three at once)."""
+    path, hf = saved
+    want = [_hf_greedy(hf, p, GEN) for p in PROMPTS]
+    assert all(len(set(w)) > 1 for w in want), "degenerate reference"
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    common = dict(block_size=4, max_model_len=128)
+    with Session(str(path), max_num_seqs=1, enable_prefix_caching=False, **common) as s:
+        assert [s.generate(p, params).token_ids for p in PROMPTS] == want
+    with Session(str(path), enable_prefix_caching=False, **common) as s:
+        assert [o.token_ids for o in s.generate(PROMPTS, params)] == want
+    with Session(
+        str(path), max_num_batched_tokens=7, enable_prefix_caching=False, **common
+    ) as s:  # fmt: skip
+        assert [o.token_ids for o in s.generate(PROMPTS, params)] == want
+    with Session(str(path), **common) as s:
+        first = s.generate(PROMPTS[0], params)
+        again = s.generate(PROMPTS, params)
+        assert first.token_ids == want[0]
+        assert [o.token_ids for o in again] == want
+        assert again[0].num_cached_tokens >= 36 and again[1].num_cached_tokens >= 24
+    with Session(str(path), num_gpu_blocks=40, enable_prefix_caching=False, **common) as s:
+        outs = s.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.num_preemptions for o in outs) > 0
+
+
+def _mxfp4_checkpoints(src: Path, tmp: Path) -> tuple[Path, Path]:
+    """(the released layout: MXFP4 blocks and scales, the float checkpoint of the same
+    dequantized experts) from the float checkpoint in `src`."""
+    tensors = load_file(src / "model.safetensors")
+    packed, dense = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = dense[name] = t
+            continue
+        rows = t.transpose(1, 2)  # [E, out, in]: the released layout's row order
+        q = [quantize_mxfp4(w) for w in rows]
+        e, n, k = rows.shape
+        packed[name + "_blocks"] = torch.stack([x.weight for x in q]).reshape(e, n, k // 32, 16)
+        packed[name + "_scales"] = torch.stack([x.scale for x in q])
+        dense[name] = torch.stack([dequantize_mxfp4(x) for x in q]).transpose(1, 2).contiguous()
+    config = json.loads((src / "config.json").read_text())
+    out = []
+    for kind, weights, quant in (
+        ("mxfp4", packed, {"quant_method": "mxfp4"}),
+        ("dense", dense, None),
+    ):
+        path = tmp / kind
+        path.mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (path / f).write_bytes((src / f).read_bytes())
+        cfg = dict(config, quantization_config=quant) if quant else config
+        (path / "config.json").write_text(json.dumps(cfg))
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        out.append(path)
+    return out[0], out[1]
+
+
+@torch.no_grad()
+def test_mxfp4_layout_equals_its_dequantized_float_checkpoint(saved, tmp_path: Path) -> None:
+    path, _ = saved
+    mxfp4, dense = _mxfp4_checkpoints(path, tmp_path)
+    kk_q, arch = load_model(mxfp4, torch.float32, torch.device("cpu"), progress=False)
+    assert arch.mxfp4_experts
+    kk_d, _ = load_model(dense, torch.float32, torch.device("cpu"), progress=False)
+    got = PagedKV(kk_q, block_size=4).prefill_logits(PROMPTS)
+    want = PagedKV(kk_d, block_size=4).prefill_logits(PROMPTS)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    hf = _load_hf(dense)  # and the dequantized experts still match transformers
+    for prompt, w in zip(PROMPTS, want, strict=True):
+        assert (w - hf(torch.tensor([prompt])).logits[0]).abs().max().item() < 1e-4
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    runs = []
+    for p in (mxfp4, dense):
+        with Session(str(p), block_size=4, max_model_len=128) as s:
+            runs.append([o.token_ids for o in s.generate(PROMPTS, params)])
+    assert runs[0] == runs[1]
+    with pytest.raises(ConfigError, match="MXFP4 already"):
+        load_model(mxfp4, torch.float32, torch.device("cpu"), moe_weight_format="nvfp4")
