@@ -1,4 +1,4 @@
-"""The `libkk` command: generate, chat, info, quantize, cache, tables, train-drafter."""
+"""The `libkk` command: generate, chat, serve, info, quantize, cache, tables, train-drafter."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from libkk.config import EngineConfig
 from libkk.engine.threads import resolve_num_threads
-from libkk.errors import LibkkError, ModelNotFoundError
+from libkk.errors import LibkkError, MissingDependencyError, ModelNotFoundError
 from libkk.quant.checkpoint import FORMATS
 from libkk.sample.params import SamplingParams
 
@@ -237,6 +237,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
             reply = session.chat(messages, params)
             print(reply.text)
             messages.append({"role": "assistant", "content": reply.text})
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Checked before the model loads: without the extra there is nothing to serve with.
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"libkk serve needs FastAPI and uvicorn ({e.name} is missing): "
+            'pip install "libkk[serve]"'
+        ) from None
+    from libkk.api.session import Session
+    from libkk.serve.runner import run_server
+
+    config = _engine_config(args)
+    with Session(config=config) as session:
+        run_server(
+            session,
+            host=args.host,
+            port=args.port,
+            model_name=args.served_model_name,
+            shutdown_grace_s=args.shutdown_timeout,
+            access_log=args.verbose,
+        )
     return 0
 
 
@@ -560,6 +586,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     _add_speculative_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = command(
+        sub,
+        "serve",
+        "an OpenAI-compatible HTTP server (needs the serve extra)",
+        "Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions and "
+        "/v1/models, streaming included. SIGTERM or Ctrl-C stops it: requests in flight get "
+        "--shutdown-timeout seconds to finish, then are aborted. Needs "
+        'pip install "libkk[serve]". With -v, one log line per HTTP request.',
+    )
+    _add_engine_args(serve, model_positional=True)
+    _add_speculative_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients ask for (default: the model folder's or file's name; the "
+        "MODEL argument as given is accepted too)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may go on before they are aborted",
+    )
+    serve.set_defaults(func=cmd_serve)
 
     info = command(
         sub,

@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RANK = {
     "cli": 8,
+    "serve": 7.5,
     "api": 7,
     "engine": 6,
     "cache": 5,
