@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -89,8 +90,6 @@ def build_app(
 
 
 def _json(body: Any, status: int = 200) -> Response:
-    import msgspec
-
     return Response(msgspec.json.encode(body), status_code=status, media_type=_JSON)
 
 
@@ -469,7 +468,7 @@ class _Server:
                     "finish_reason": P.finish_reason(out),
                 }
             )
-        result = {
+        return {
             "id": rid,
             "object": "text_completion",
             "created": P.now(),
@@ -478,7 +477,6 @@ class _Server:
             "choices": choices,
             "usage": P.usage(self._prompt_tokens(outputs, req.n), outputs),
         }
-        return result
 
     async def _completion_chunks(
         self, req: P.CompletionRequest, run: _Run, rid: str

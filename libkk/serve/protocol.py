@@ -23,7 +23,6 @@ from libkk.errors import (
     SamplingParamsError,
     SessionClosedError,
     StructuredOutputError,
-    UnknownArgumentError,
 )
 from libkk.sample.params import SamplingParams
 
@@ -134,7 +133,7 @@ def error_from_libkk(exc: LibkkError, *, param_names: dict[str, str] | None = No
         if name is not None and param_names:
             name = param_names.get(name, name)
         return RequestError(message, param=name)
-    if isinstance(exc, (InvalidRequestError, UnknownArgumentError)):
+    if isinstance(exc, InvalidRequestError):
         # The session's messages start with the argument at fault ("tool_choice=...",
         # "tools[0].function...", "messages[1]['role'] ...").
         field = _LEADING_FIELD.match(message)
@@ -190,7 +189,7 @@ def sampling_params(
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+    max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
