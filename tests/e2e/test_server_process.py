@@ -1,6 +1,6 @@
 """`libkk serve` as a process: SIGTERM with a stream in flight ends the stream cleanly and the
-process exits 0; without FastAPI the command says how to install it; `import libkk` never needs
-the server's packages."""
+process exits 0; without FastAPI the command says how to install it; bad settings fail before the
+model loads; `import libkk` never needs the server's packages."""
 
 from __future__ import annotations
 
@@ -89,6 +89,15 @@ def test_serve_without_the_extra_says_how_to_install_it(monkeypatch, capsys):
     assert main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert 'pip install "libkk[serve]"' in err and "fastapi" in err
+
+
+def test_bad_settings_fail_before_the_model_loads(monkeypatch, capsys):
+    def no_session(*args, **kwargs):
+        raise AssertionError("the model would load")
+
+    monkeypatch.setattr("libkk.api.session.Session", no_session)
+    assert main(["serve", "--set", "max_num_seqs=0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
 
 
 def test_import_libkk_leaves_the_server_packages_out():
