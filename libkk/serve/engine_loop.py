@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from libkk.api.session import Prompt, Session
 from libkk.engine.outputs import RequestOutput
-from libkk.errors import LibkkError, UnknownRequestError
+from libkk.errors import SessionClosedError, UnknownRequestError
 from libkk.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class EngineLoop:
             self._thread.join(timeout)
         for rid, sink in self._take_all_sinks().items():
             self._abort(rid)
-            sink(LibkkError("the server is shutting down"))
+            sink(SessionClosedError("the server is shutting down"))
 
     @property
     def num_running(self) -> int:
@@ -73,7 +73,7 @@ class EngineLoop:
         it submitted and raises."""
         with self._lock:
             if self._stopped:
-                raise LibkkError("the server is shutting down")
+                raise SessionClosedError("the server is shutting down")
             for rid in rids:
                 self._sinks[rid] = sink
         done: list[str] = []
@@ -146,7 +146,7 @@ class EngineLoop:
             self._session.abort(rid)
         except UnknownRequestError:
             pass  # finished (its final output is on its way) or never submitted
-        except LibkkError:
+        except Exception:  # noqa: BLE001 - a failed engine must not end the stepping thread
             log.exception("aborting %s failed", rid)
 
     def _forget(self, rid: str) -> None:
