@@ -6,8 +6,13 @@ Parameters of a packed layer (E experts, hidden H, intermediate I, block size G 
   w13_weight_scale_2 fp32  [E, 2]        NVFP4 global scale of gate and of up (MXFP4: ones buffer)
   w13_input_scale    fp32  [E, 2]        calibrated activation scales; zeros = not calibrated
   w2_weight / w2_weight_scale / w2_weight_scale_2 [E, 1] / w2_input_scale [E, 1]: the down proj
+  w13_bias           [E, 2I] / w2_bias [E, H]: expert biases (`bias=True`), activation dtype
 Checkpoint parts (`experts.<e>.<proj>.weight|weight_scale|weight_scale_2|input_scale|
-weight_scale_csf`) load by shard id (expert, part) like the bf16 experts do.
+weight_scale_csf|bias`) load by shard id (expert, part) like the bf16 experts do; the biases also
+load stacked ([E, 2I] gate then up, [E, H]; shard id None). Biases and the activation
+(`ExpertActivation`: SiLU or gpt-oss's clamped SwiGLU) are FusedMoE's: added after each
+projection, before the activation and before the routing weight; under tensor parallelism only
+rank 0 holds the down projection's bias (the ranks' partial outputs are summed).
 
 With `csf_prefetch`, a layer keeps its scales CSF-compressed on the device (libkk.quant.csf) and a
 shared prefetcher expands them into one of two preallocated buffers on a side stream, started when
@@ -21,7 +26,8 @@ The forward never reads a count on the host, so a packed layer can be captured i
 Row types. Decode and verification rows always run W4A16 (bf16/fp16 activations: exact against
 the dequantized weights). With `prefill_activations="fp8"`, calibrated input scales and a CUDA
 GPU of compute capability >= 8.9, prefill rows run W4A8 (kernels/moe/w4a8.py: FP8 e4m3 activations,
-one per-tensor scale per projection). The layer cannot tell a prefill row from a verification row
+one per-tensor scale per projection; not for layers with biases or another activation than SiLU,
+which the W4A8 kernels do not run). The layer cannot tell a prefill row from a verification row
 by itself (both are requests with several query rows), so the caller declares it: a forward run
 inside `prefill_only_step()` has only prefill rows. Mixed steps are not split: they run W4A16.
 The choice is made at run time, outside torch.compile's trace (an opaque op, as attention does),
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from libkk.distributed import get_tp_rank
+from libkk.distributed import get_tp_rank, get_tp_size
 from libkk.errors import CorruptCheckpointError, UnsupportedModelError
 from libkk.kernels._jit import INTERPRETED
 from libkk.kernels.csf import csf_expand
@@ -57,7 +63,7 @@ from libkk.kernels.moe import (
     fused_moe_w4a16_routed,
 )
 from libkk.layers.forward_context import get_forward_context
-from libkk.layers.linear import check_shape
+from libkk.layers.linear import check_shape, tp_split
 from libkk.layers.registry import IndexedLayer
 from libkk.quant.csf import CSFTensor, decode_csf, encode_csf
 
@@ -69,6 +75,7 @@ _PARTS = {
     "weight_scale_2": "weight_scale_2",
     "weight_scale": "weight_scale",
     "input_scale": "input_scale",
+    "bias": "bias",
 }
 
 
@@ -144,7 +151,7 @@ def map_expert_part_name(
     name: str, expert_weights: dict[str, tuple[str, int]]
 ) -> tuple[str, Hashable] | None:
     """`...experts.<e>.<proj>.<part>` -> (`...experts.<w13|w2>_<part>`, (e, part index)), for the
-    quantized parts of a per-expert weight; None for any other name."""
+    quantized parts and the bias of a per-expert weight; None for any other name."""
     stem, sep, part = name.rpartition(".")
     if not sep or part not in _PARTS:
         return None
@@ -183,11 +190,6 @@ class QuantFusedMoE(IndexedLayer):
         """intermediate_size: this rank's part of every expert's intermediate dimension (the
         whole of it at one rank); full_intermediate_size: the whole (default: the same)."""
         super().__init__()
-        if bias or activation != SILU:
-            raise UnsupportedModelError(
-                "packed 4-bit experts with biases or another activation than SiLU are not "
-                "supported"
-            )
         if weight_format not in GROUP:
             raise UnsupportedModelError(
                 f"expert weight format {weight_format!r} is not supported (nvfp4, mxfp4)"
@@ -206,6 +208,7 @@ class QuantFusedMoE(IndexedLayer):
         self.intermediate_size = intermediate_size
         self.full_intermediate_size = full_intermediate_size or intermediate_size
         self.weight_format = weight_format
+        self.activation = activation
         self.options = options or current_moe_options()
         e, h, i = num_experts, hidden_size, intermediate_size
         w13_shards = frozenset((x, j) for x in range(e) for j in (0, 1))
@@ -230,6 +233,14 @@ class QuantFusedMoE(IndexedLayer):
         self.w2_input_scale = _param((e, 1), torch.float32, load, w2_shards, zero=True)
         self.w13_input_scale.optional = True  # type: ignore[attr-defined]
         self.w2_input_scale.optional = True  # type: ignore[attr-defined]
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:  # in the activation dtype (the default dtype while the model is built)
+            dtype = torch.get_default_dtype()
+            self.w13_bias = _param((e, 2 * i), dtype, self._load_bias, w13_shards)
+            self.w2_bias = _param((e, h), dtype, self._load_bias, w2_shards)
+            if get_tp_size() > 1:
+                self.w13_bias.tp_slices = self._w13_bias_slices  # type: ignore[attr-defined]
         self._prefetch: _CsfLayer | None = None
         # Settled by `settle_row_kernels` after loading: whether the fused kernels run (else the
         # torch path), and whether prefill-only steps run W4A8.
@@ -286,6 +297,34 @@ class QuantFusedMoE(IndexedLayer):
         check_shape(name, target.shape, loaded.shape)
         target.copy_(loaded)
 
+    def _load_bias(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None
+    ) -> None:
+        """A per-expert bias part (shard id (expert, part), as FusedMoE's) or a stacked one."""
+        if not loaded.is_floating_point():
+            raise CorruptCheckpointError(f"bias {name!r} is {loaded.dtype}, expected floats")
+        target = param.data
+        if shard_id is not None:
+            expert, part = shard_id  # type: ignore[misc]
+            target = target[expert]
+            if param is self.w13_bias:  # gate (part 0) or up (part 1) rows of this expert
+                rows = self.intermediate_size
+                target = target.narrow(0, part * rows, rows)
+        check_shape(name, target.shape, loaded.shape)
+        if param is self.w2_bias and get_tp_rank() != 0:
+            # The ranks' partial outputs are summed: one rank adds the down projection's bias.
+            loaded = torch.zeros_like(loaded)
+        target.copy_(loaded)
+
+    def _w13_bias_slices(self, shard_id: Hashable) -> list[tuple[int, int, int]]:
+        """Under tensor parallelism, this rank's rows of a gate/up bias part [I] (or of a stacked
+        [E, 2I] one: its gate rows and its up rows)."""
+        full = self.full_intermediate_size
+        part = tp_split(full, "moe_intermediate_size")
+        if shard_id is None:
+            return [(1, part.start, part.stop), (1, full + part.start, full + part.stop)]
+        return [(0, part.start, part.stop)]
+
     def _own_columns(self, loaded: torch.Tensor, per_column: int) -> torch.Tensor:
         """This rank's columns of a down-projection part that arrived whole (`per_column`
         intermediate elements a column: 2 for packed bytes, the block size for scales). Under
@@ -336,8 +375,13 @@ class QuantFusedMoE(IndexedLayer):
         """forward before its top-k sum, for a consumer that sums the terms itself (the next
         residual add and norm: `add_rms_norm`); only where `leaves_topk_sum`."""
         return fused_moe_w4a16_routed(
-            hidden, *self._weights(), topk_weights, topk_ids, self.weight_format
-        )
+            hidden, *self._weights(), topk_weights, topk_ids, self.weight_format,
+            **self._expert_options(),
+        )  # fmt: skip
+
+    def _expert_options(self) -> dict:
+        """The W4A16 ops' keyword options: biases and activation."""
+        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
 
     def _weights(self) -> tuple[torch.Tensor, ...]:
         s13, s2 = self.scales()
@@ -358,7 +402,8 @@ class QuantFusedMoE(IndexedLayer):
             args = (hidden, *weights, x_scale, a_scale, topk_weights, topk_ids, self.weight_format)
             return fused_moe_w4a8(*args) if kernels else fused_moe_w4a8_ref(*args)
         args = (hidden, *weights, topk_weights, topk_ids, self.weight_format)
-        return fused_moe_w4a16(*args) if kernels else fused_moe_w4a16_ref(*args)
+        w4a16 = fused_moe_w4a16 if kernels else fused_moe_w4a16_ref
+        return w4a16(*args, **self._expert_options())
 
     def fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-tensor FP8 scales ([1] fp32 each, on the device) of the experts' input and of the
@@ -376,6 +421,12 @@ class QuantFusedMoE(IndexedLayer):
         """Why prefill rows cannot run FP8 activations, or None when they can."""
         if self.options.prefill_activations != "fp8":
             return "FP8 activations not requested"
+        if self.w13_bias is not None or self.activation != SILU:
+            return (
+                "FP8 activations requested but the W4A8 kernels run neither expert biases nor "
+                f"another activation than SiLU (this layer: bias={self.w13_bias is not None}, "
+                f"activation={self.activation.kind})"
+            )
         if not self.input_scales_calibrated():
             return "FP8 activations requested but the layer has no calibrated input scales"
         return fp8_activations_unsupported(self.w13_weight.device)
@@ -408,7 +459,8 @@ class QuantFusedMoE(IndexedLayer):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, "
-            f"intermediate={self.intermediate_size}, format={self.weight_format}"
+            f"intermediate={self.intermediate_size}, format={self.weight_format}, "
+            f"bias={self.w13_bias is not None}, activation={self.activation.kind}"
         )
 
 
