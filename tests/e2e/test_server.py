@@ -122,6 +122,12 @@ def test_completions_of_several_prompts_with_n(session, client, model):
     prompt_tokens = sum(len(e.prompt_token_ids) for e in expected)
     assert reply.usage.prompt_tokens == prompt_tokens
     assert reply.usage.completion_tokens == 4 * 6
+    # echo puts the prompt before the completion, streamed or not.
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    echoed = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert echoed == streamed == PROMPT + expected[0].text
 
 
 def test_chat_stream_equals_the_whole_answer(client, model):
