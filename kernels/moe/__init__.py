@@ -21,8 +21,8 @@ activations' dtype, and the activation (`ExpertActivation`: SiLU(gate) * up, or 
 with its alpha and limit). Each bias is added to its projection's fp32 sums and rounded with them
 once, as an unfused `F.linear(x, w, b)` rounds; the activation then rounds after each torch op of
 `expert_activation_ref`. Both are constexprs of the W4A16 kernels, so a SiLU layer without biases
-compiles the kernels it always did. The W4A8 kernels run neither (QuantFusedMoE keeps such layers
-on W4A16).
+compiles no bias or clamp code. The W4A8 kernels run neither (QuantFusedMoE keeps such layers on
+W4A16).
 
 4-bit weights: uint8 [E, N, K/2], two E2M1 codes per byte, element 2i in the low nibble. Scales:
 uint8 [E, N, K/G] bytes, NVFP4 (G=16) E4M3 with an fp32 global scale per (expert, projection),
