@@ -27,6 +27,7 @@ from libkk.kernels.csf import csf_expand  # noqa: E402
 from paged_helpers import PagedKV  # noqa: E402
 from torch import nn  # noqa: E402
 
+from libkk.layers.forward_context import set_forward_context  # noqa: E402
 from libkk.layers.moe import SparseMoeBlock  # noqa: E402
 from libkk.layers.quant_moe import (  # noqa: E402
     FP8_SCALE_PER_INPUT_SCALE,
@@ -452,7 +453,8 @@ def test_layer_runs_fp8_only_in_declared_prefill_steps(fmt):
     # Compiled: the choice is made per call inside the opaque op, not frozen at trace time
     # (Inductor may round the glue ops differently: close, not equal).
     compiled = torch.compile(fp8)
-    with torch.inference_mode():  # as the runner calls it (the op has no backward)
+    # The opaque op finds its layer through the forward context, as in a model's step.
+    with torch.inference_mode(), set_forward_context(None, fp8):  # (the op has no backward)
         assert _rel(compiled(x), exact) < 1e-4
         with prefill_only_step():
             assert _rel(compiled(x), fast) < 1e-4

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,37 +23,13 @@ import torch
 import transformers
 from libkk.kernels.moe import ExpertActivation
 from paged_helpers import PagedKV
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from libkk import SamplingParams, Session
 from libkk.errors import ConfigError
 from libkk.models.arch_config import parse_arch_config
 from libkk.models.loader import load_model
-from libkk.quant.formats import dequantize_mxfp4, quantize_mxfp4
-from tests.checkpoints import save_with_word_tokenizer
-
-CONFIG: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=8,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=None,
-    swiglu_limit=1.5,  # low, so the tiny model's gate/up values cross it
-    rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
-    },
-)  # fmt: skip
+from tests.checkpoints import gpt_oss_mxfp4_and_dequantized, save_tiny_gpt_oss
 
 GEN = 32
 PROMPTS = [
@@ -62,21 +37,6 @@ PROMPTS = [
     [(7 * i + 5) % 256 for i in range(24)] + [(11 * i + 3) % 256 for i in range(21)],  # shares 24
     [(13 * i + 2) % 256 for i in range(41)],
 ]
-
-
-def _randomize(model: nn.Module, seed: int) -> None:
-    """Wider than HF's init so every part matters: sinks around the scores' size, router and
-    expert weights large enough for distinct routing and clamped activations."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            elif "sinks" in name:
-                p.copy_(1.5 * noise)
-            else:
-                p.copy_((0.05 if "embed_tokens" in name else 0.3) * noise)
 
 
 def _load_hf(path: Path) -> nn.Module:
@@ -95,10 +55,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
-    _randomize(model, seed=3)
-    path = save_with_word_tokenizer(model, tmp_path_factory.mktemp("gpt-oss"))
+    path = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss"))
     return path, _load_hf(path)
 
 
@@ -185,42 +142,10 @@ def test_greedy_through_the_engine_matches_hf(saved) -> None:
         assert sum(o.num_preemptions for o in outs) > 0
 
 
-def _mxfp4_checkpoints(src: Path, tmp: Path) -> tuple[Path, Path]:
-    """(the released layout: MXFP4 blocks and scales, the float checkpoint of the same
-    dequantized experts) from the float checkpoint in `src`."""
-    tensors = load_file(src / "model.safetensors")
-    packed, dense = {}, {}
-    for name, t in tensors.items():
-        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            packed[name] = dense[name] = t
-            continue
-        rows = t.transpose(1, 2)  # [E, out, in]: the released layout's row order
-        q = [quantize_mxfp4(w) for w in rows]
-        e, n, k = rows.shape
-        packed[name + "_blocks"] = torch.stack([x.weight for x in q]).reshape(e, n, k // 32, 16)
-        packed[name + "_scales"] = torch.stack([x.scale for x in q])
-        dense[name] = torch.stack([dequantize_mxfp4(x) for x in q]).transpose(1, 2).contiguous()
-    config = json.loads((src / "config.json").read_text())
-    out = []
-    for kind, weights, quant in (
-        ("mxfp4", packed, {"quant_method": "mxfp4"}),
-        ("dense", dense, None),
-    ):
-        path = tmp / kind
-        path.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (path / f).write_bytes((src / f).read_bytes())
-        cfg = dict(config, quantization_config=quant) if quant else config
-        (path / "config.json").write_text(json.dumps(cfg))
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-        out.append(path)
-    return out[0], out[1]
-
-
 @torch.no_grad()
 def test_mxfp4_layout_equals_its_dequantized_float_checkpoint(saved, tmp_path: Path) -> None:
     path, _ = saved
-    mxfp4, dense = _mxfp4_checkpoints(path, tmp_path)
+    mxfp4, dense = gpt_oss_mxfp4_and_dequantized(path, tmp_path)
     kk_q, arch = load_model(mxfp4, torch.float32, torch.device("cpu"), progress=False)
     assert arch.mxfp4_experts
     kk_d, _ = load_model(dense, torch.float32, torch.device("cpu"), progress=False)
