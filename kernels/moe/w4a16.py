@@ -189,10 +189,9 @@ def _down_kernel(
         a = tl.load(a_ptr + pair64[:, None] * stride_at + kx[None, :],
                     mask=valid[:, None] & kmask[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, _interleave_k(we, wo), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + n, mask=nmask, other=0.0).to(tl.float32)[
-            None, :
-        ]
+    if HAS_BIAS:  # added to the fp32 sums, rounded once with them (as F.linear's epilogue)
+        bias = tl.load(b_ptr + expert * stride_be + n, mask=nmask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     rw = tl.load(rw_ptr + pair64, mask=valid, other=0.0)  # fp32 routing weight of each pair
     y = _routed(acc, rw[:, None], DT)
     out_ptrs = out_ptr + pair64[:, None] * stride_ot + n[None, :]
