@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from libkk.api.session import Session
 from libkk.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from libkk.engine.outputs import Logprob, RequestOutput
+from libkk.engine.outputs import Logprob, RequestOutput, ToolCall
 from libkk.engine.timeline import Timeline
 from libkk.errors import (
     ConfigError,
@@ -49,6 +49,7 @@ __all__ = [
     "StructuredOutputError",
     "TensorParallelError",
     "Timeline",
+    "ToolCall",
     "UnknownRequestError",
     "UnsupportedModelError",
     "__version__",

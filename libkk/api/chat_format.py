@@ -407,7 +407,7 @@ class ToolChat:
                 "call leaves no room for a formatted answer; give one of them"
             )
         structured = fmt.constraint(parsed, choice, answer)
-        base = answer_params if answer_params is not None else SamplingParams()
+        base = answer_params or params or SamplingParams()
         sampling = fmt.prepare(msgspec.structs.replace(base, structured=structured))
         return cls(fmt, parsed, choice, sampling)
 
