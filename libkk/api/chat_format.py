@@ -185,11 +185,10 @@ class HermesFormat(ChatFormat):
     ) -> str:
         messages = normalize_messages(messages)
         kwargs = dict(template_kwargs)
-        if tools and self.template_renders_tools:
+        if (tools or _has_tool_turns(messages)) and not self.template_renders_tools:
+            messages = _fallback_messages(messages, tools)
+        elif tools:
             kwargs["tools"] = [t.spec for t in tools]
-        elif tools or _has_tool_turns(messages):
-            if not self.template_renders_tools:
-                messages = _fallback_messages(messages, tools)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
 
     def constraint(
@@ -325,31 +324,30 @@ def _fallback_messages(messages: Any, tools: Sequence[Tool] | None) -> Any:
     if not isinstance(messages, list):
         return messages  # the tokenizer reports what it got
     out: list[Any] = []
+    results_at: int | None = None  # index in `out` of the user turn collecting tool results
     for message in messages:
         if not isinstance(message, Mapping) or not isinstance(message.get("content"), str):
             out.append(message)
             continue
         role, content = message.get("role"), message["content"]
+        if role == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if results_at == len(out) - 1:
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+                results_at = len(out) - 1
+            continue
         if role == "assistant" and message.get("tool_calls"):
             blocks = [
                 f"{_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{_CLOSE}"
                 for name, arguments in map(history_call, message["tool_calls"])
             ]
-            text = "\n".join(([content] if content else []) + blocks)
-            out.append({"role": "assistant", "content": text})
-        elif role == "tool":
-            response = f"<tool_response>\n{content}\n</tool_response>"
-            previous = out[-1] if out else None
-            if isinstance(previous, dict) and previous.get("_tool_results"):
-                previous["content"] += "\n" + response
-            else:
-                out.append({"role": "user", "content": response, "_tool_results": True})
-        else:
-            out.append(message)
-    out = [
-        {k: v for k, v in m.items() if k != "_tool_results"} if isinstance(m, dict) else m
-        for m in out
-    ]
+            message = {
+                "role": "assistant",
+                "content": "\n".join(([content] if content else []) + blocks),
+            }
+        out.append(message)
     if tools:
         listing = "\n".join(json.dumps(t.spec) for t in tools)
         preamble = _FALLBACK_PREAMBLE.format(tools=listing)

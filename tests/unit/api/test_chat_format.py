@@ -172,6 +172,11 @@ def test_fallback_without_tools_still_writes_a_history_of_calls(plain_tokenizer)
     assert "# Tools" not in text and "<tool_response>\n18 C" in text
     plain = [{"role": "user", "content": "Hi"}]
     assert fmt.render(plain, None, {}) == plain_tokenizer.apply_chat_template(plain)
+    # Results with no call before them, and results apart, each make their own user turn.
+    results = [{"role": "tool", "content": c} for c in "ab"]
+    text = fmt.render([*results, *plain, results[0]], None, {})
+    assert text.count("<|im_start|>user\n<tool_response>\na\n</tool_response>") == 2
+    assert "<tool_response>\na\n</tool_response>\n<tool_response>\nb\n" in text
 
 
 # ---- parsing -------------------------------------------------------------------------------
