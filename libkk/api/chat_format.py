@@ -280,12 +280,30 @@ def _call_grammar(tools: Sequence[Tool], head: str) -> str:
     for i, tool in enumerate(tools):
         schema = {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "properties": {
+                "name": {"const": tool.name},
+                "arguments": _rebased(tool.parameters, "#/properties/arguments"),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         lines.append(f"call_{i}: {json_rule(schema)}")
     return "\n".join(lines)
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with its local references ("#/$defs/...", "#") pointing under `root`, where it
+    sits inside the call's schema."""
+    if isinstance(schema, dict):
+        return {
+            k: root + v[1:]
+            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
+            else _rebased(v, root)
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    return schema
 
 
 def _read_call(body: str, names: set[str]) -> ToolCall | None:

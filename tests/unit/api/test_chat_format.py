@@ -344,6 +344,27 @@ def test_named_grammar_admits_only_that_tool(fmt, grammars, plain_tokenizer):
     assert not _accepts(grammars, plain_tokenizer, named, weather)
 
 
+def test_schemas_with_local_references_keep_them(fmt, grammars, plain_tokenizer):
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    parameters = {
+        "type": "object",
+        "$defs": {"Point": point},
+        "properties": {
+            "at": {"$ref": "#/$defs/Point"},
+            "path": {"type": "array", "items": {"$ref": "#/$defs/Point"}},
+        },
+        "required": ["at"],
+        "additionalProperties": False,
+    }
+    tools = parse_tools(
+        [{"type": "function", "function": {"name": "go", "parameters": parameters}}]
+    )
+    required = fmt.constraint(tools, ToolChoice(mode="required"), None)
+    good = _call_text("go", {"at": {"x": 1}, "path": [{"x": 2}]})
+    assert _accepts(grammars, plain_tokenizer, required, good)
+    assert not _accepts(grammars, plain_tokenizer, required, _call_text("go", {"at": {"x": "1"}}))
+
+
 def test_auto_with_a_json_answer_admits_calls_or_the_answer(fmt, grammars, plain_tokenizer):
     answer = SamplingParams(structured={"json": True}).structured
     assert fmt.constraint(TOOL_LIST, ToolChoice(mode="auto"), None) is None
