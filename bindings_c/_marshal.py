@@ -136,6 +136,16 @@ def read_sampling_params(params: Cdata) -> SamplingParams:
                 params.sampling_json, "params->sampling_json", lib.KK_ERR_SAMPLING_PARAMS
             )
         )
+    if params.structured_json != ffi.NULL:
+        if "structured" in fields:
+            raise Fail(
+                lib.KK_ERR_SAMPLING_PARAMS,
+                "params->structured_json and a \"structured\" key in params->sampling_json are "
+                "both set: give one of them",
+            )
+        fields["structured"] = read_json_object(
+            params.structured_json, "params->structured_json", lib.KK_ERR_SAMPLING_PARAMS
+        )
     return SamplingParams.from_dict(fields)
 
 

@@ -55,7 +55,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature of this header changes. */
-#define KK_ABI_VERSION 1
+#define KK_ABI_VERSION 2
 
 /* kk_request_params.seed: no seed, each request draws a fresh one. */
 #define KK_SEED_NONE INT64_MIN
@@ -143,6 +143,11 @@ typedef struct kk_request_params {
        "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "logprobs",
        "include_stop_str_in_output", "skip_special_tokens", ...; NULL: none. */
     const char *sampling_json;
+    /* Structured output as a JSON object, one of {"json_schema": {...}}, {"json": true},
+       {"regex": "..."}, {"choice": ["yes", "no"]}, {"grammar": "<lark>"}: the output always
+       matches it. Not such an object: KK_ERR_SAMPLING_PARAMS; a malformed schema, regex or
+       grammar: KK_ERR_INVALID_REQUEST (both before anything runs). NULL: unconstrained. */
+    const char *structured_json;
     /* kk_generate only (kk_submit rejects it): receives the output piece by piece. */
     kk_token_callback on_token;
     void *on_token_data;

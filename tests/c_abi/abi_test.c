@@ -303,6 +303,14 @@ static void test_arguments(kk_session *s) {
     EXPECT(kk_generate(s, &text, &bad, &out), KK_ERR_SAMPLING_PARAMS, "no_such_param");
     bad.sampling_json = "{\"stop\": \"not a list\"}";
     EXPECT(kk_generate(s, &text, &bad, &out), KK_ERR_SAMPLING_PARAMS, "stop");
+    bad = greedy(4);
+    bad.structured_json = "[1, 2]";
+    EXPECT(kk_generate(s, &text, &bad, &out), KK_ERR_SAMPLING_PARAMS, "structured_json");
+    bad.structured_json = "{\"regex\": \"(unclosed\"}";
+    EXPECT(kk_generate(s, &text, &bad, &out), KK_ERR_INVALID_REQUEST, "regex");
+    bad.structured_json = "{\"choice\": [\"yes\"]}";
+    bad.sampling_json = "{\"structured\": {\"json\": true}}";
+    EXPECT(kk_generate(s, &text, &bad, &out), KK_ERR_SAMPLING_PARAMS, "both set");
 
     /* kk_submit's own rules. */
     kk_request_id id = 77;

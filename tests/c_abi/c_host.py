@@ -23,6 +23,7 @@ class Programs:
     build: Path  # libkk.so and libkk.h
     generate: Path  # examples/c/generate.c
     stream: Path  # examples/c/stream.cpp
+    json: Path  # examples/c/json.c
     abi_test: Path  # tests/c_abi/abi_test.c
     dlopen_test: Path  # tests/c_abi/dlopen_test.c
     threads_test: Path  # tests/c_abi/threads_test.c
@@ -71,12 +72,14 @@ def build_programs(tmp_path_factory: pytest.TempPathFactory) -> Programs:
         build=build,
         generate=bins / "generate",
         stream=bins / "stream",
+        json=bins / "json",
         abi_test=bins / "abi_test",
         dlopen_test=bins / "dlopen_test",
         threads_test=bins / "threads_test",
     )
     c99 = [cc, "-std=c99", *warnings]
     _compile([*c99, ROOT / "examples/c/generate.c", *link, "-o", out.generate])
+    _compile([*c99, ROOT / "examples/c/json.c", *link, "-o", out.json])
     _compile(
         [cxx, "-std=c++17", *warnings, ROOT / "examples/c/stream.cpp", *link, "-o", out.stream]
     )

@@ -93,6 +93,25 @@ def test_examples_on_the_default_model(programs: Programs, default_model_dir: Pa
     assert streamed.stdout == blocking.stdout, _lines(streamed)
 
 
+def test_json_example_answers_in_its_schema(programs: Programs, default_model_dir: Path) -> None:
+    """examples/c/json.c: structured_json holds the answer to the schema, sampled (several
+    seeds), and the C program reads the fields back."""
+    import jsonschema
+
+    source = (ROOT / "examples/c/json.c").read_text()
+    literal = re.search(r"SCHEMA\[\] =\s*(.*?);", source, re.S)[1]
+    schema = json.loads(
+        "".join(json.loads(part) for part in re.findall(r'"(?:\\.|[^"\\])*"', literal))
+    )
+    for seed in ("1", "2", "3"):
+        result = run([programs.json, "-s", seed, "Invent a character for a fantasy novel."])
+        assert result.returncode == 0, _lines(result)
+        answer, fields = result.stdout.splitlines()[:2]
+        value = json.loads(answer)
+        jsonschema.validate(value, schema["json_schema"])
+        assert fields == f"name={value['name']} class={value['class']} age={value['age']}"
+
+
 def test_examples_on_a_tiny_model_match_the_python_api(
     programs: Programs, tiny_llama_dir: Path, tiny_expected: str
 ) -> None:
