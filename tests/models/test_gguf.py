@@ -405,9 +405,13 @@ def test_rope_scaling_metadata(
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "r.gguf", metadata={"llama.rope.scaling.type": "longrope"})
-    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: none, linear, yarn"):
+    write_tiny_gguf(tmp_path / "r.gguf", metadata={"llama.rope.scaling.type": "dynamic"})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: none, linear, yarn"):
         convert_gguf(tmp_path / "r.gguf", tmp_path / "hf", progress=False)
+    # LongRoPE's factors are Phi-3 tensors; a llama that names it is refused, not half-read.
+    write_tiny_gguf(tmp_path / "l.gguf", metadata={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(UnsupportedModelError, match="LongRoPE scaling is supported for phi3 only"):
+        convert_gguf(tmp_path / "l.gguf", tmp_path / "hf", progress=False)
 
 
 def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
@@ -551,7 +555,65 @@ GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "MixtralConfig",
         dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
     ),
+    # Mistral is written as llama; a sliding_window key (where an export has one) keeps it.
+    "mistral": ("MistralConfig", dict(sliding_window=4, head_dim=16, tie_word_embeddings=False)),
+    "mistral_full": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            sliding_window=4,
+            pad_token_id=None,
+            original_max_position_embeddings=256,  # short factors: HF's choice at any length
+            partial_rotary_factor=0.5,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.3, 1.7, 2.5],
+                long_factor=[1.0, 3.0, 7.0, 16.0],
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,  # llama.cpp's fixed pattern: five sliding layers, one full
+            head_dim=32,
+            sliding_window=4,
+            query_pre_attn_scalar=32,  # what llama.cpp derives for a model that is not the 27B
+            final_logit_softcapping=2.0,
+            pad_token_id=None,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            pad_token_id=None,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        ),  # fmt: skip
+    ),
 }
+# The architecture a family's GGUF converts to, where it is not the transformers model's own.
+_CONVERTED_ARCH = {"mistral_full": "LlamaForCausalLM"}
+_TOKENIZER_PRE = {"gpt_oss": "gpt-4o"}
 GGUF_PROMPTS = [[3, 17, 200, 45, 9], list(range(20, 31))]
 
 
@@ -586,29 +648,46 @@ def _one_thread():
 def test_family_gguf_runs_like_dequantized_reference(
     family: str, qtype: Q, tmp_path: Path, _one_thread: None
 ) -> None:
-    """A tiny transformers model written as llama.cpp would (q/k permuted for llama/Mixtral,
-    experts stacked), in `qtype`: libkk's run of the converted folder matches transformers
-    running the same dequantized weights (prefill logits and greedy tokens)."""
+    """A tiny transformers model written as llama.cpp would (q/k permuted for llama/Mistral/
+    Mixtral, experts stacked, Phi-3's projections fused, Gemma's norms plus one, gpt-oss gate/up
+    split), in `qtype`: libkk's run of the converted folder matches transformers running the same
+    dequantized weights (prefill logits and greedy tokens)."""
+    model = tiny_hf_model(family)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    src = tmp_path / f"{family}.gguf"
+    expected = write_model_gguf(model, src, qtype, tokens=TOKENS, token_types=TYPES,
+                                merges=MERGES, tokenizer_pre=_TOKENIZER_PRE.get(family))  # fmt: skip
+    _check_family_parity(model, original, expected, src, tmp_path / "hf", qtype, family)
+
+
+def _check_family_parity(
+    model: torch.nn.Module,
+    original: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    src: Path,
+    out: Path,
+    qtype: Q,
+    family: str,
+) -> None:
+    """Converts `src`, loads it in libkk and checks it against `model` holding `expected`."""
     from paged_helpers import PagedKV
 
     from libkk.models.loader import load_model
 
-    model = tiny_hf_model(family)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    src = tmp_path / f"{family}.gguf"
-    expected = write_model_gguf(model, src, qtype, tokens=TOKENS, token_types=TYPES, merges=MERGES)
-    convert_gguf(src, tmp_path / "hf", progress=False)
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["architectures"] == [type(model).__name__]
+    convert_gguf(src, out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [_CONVERTED_ARCH.get(family, type(model).__name__)]
     assert config["tie_word_embeddings"] is model.config.tie_word_embeddings
     if qtype == Q.F32:
         for name, value in original.items():
-            torch.testing.assert_close(expected[name], value, rtol=0, atol=0, msg=name)
+            # Gemma's norms come back from w + 1 - 1 in float32: equal up to that rounding.
+            atol = 1e-6 if "norm" in name else 0.0
+            torch.testing.assert_close(expected[name], value, rtol=0, atol=atol, msg=name)
     else:
-        assert not torch.equal(expected["model.layers.0.self_attn.q_proj.weight"],
-                               original["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+        assert not torch.equal(expected["model.layers.0.self_attn.o_proj.weight"],
+                               original["model.layers.0.self_attn.o_proj.weight"])  # fmt: skip
     model.load_state_dict(expected)
-    kk, _ = load_model(tmp_path / "hf", torch.float32, torch.device("cpu"), progress=False)
+    kk, _ = load_model(out, torch.float32, torch.device("cpu"), progress=False)
     logits = PagedKV(kk, block_size=4).prefill_logits(GGUF_PROMPTS)
     for prompt, got in zip(GGUF_PROMPTS, logits, strict=True):
         want = model(torch.tensor([prompt])).logits[0]

@@ -6,8 +6,10 @@ renamed from llama.cpp's names to Hugging Face's, and written as one `model.safe
 `config.json`, a `tokenizer.json` rebuilt from the GGUF metadata, a `tokenizer_config.json` and a
 `generation_config.json`. The rest of libkk then only ever reads HF-layout folders.
 
-Architectures: see `arch.py` (llama incl. Mixtral-style experts, qwen2, qwen3, qwen3moe).
-Tokenizers: see `tokenizer.py` (byte-level BPE and SentencePiece).
+Architectures: see `arch.py` (llama incl. Mistral and Mixtral-style experts, qwen2, qwen3,
+qwen3moe, phi3, gemma3, gpt-oss); a tensor that llama.cpp fused, split, stacked or shifted on
+export is put back in the layout the HF checkpoint has. Tokenizers: see `tokenizer.py`
+(byte-level BPE and SentencePiece).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ __all__ = [
 
 # NOTE: bump whenever the folder written for the same GGUF changes; cached conversions keyed on it
 # are then redone instead of being trusted.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 
 def convert_gguf(
@@ -112,8 +114,7 @@ def _dequantizable(qtype: Any) -> bool:
 
 
 def _check_quant_types(plan: Sequence[TensorPlan], path: Path) -> None:
-    for item in plan:
-        tensor = item.source
+    for tensor in (t for item in plan for t in (item.source, *item.more)):
         try:
             ok = _dequantizable(tensor.tensor_type)
         except ImportError:  # gguf without `_type_traits`: the loader reports it per tensor
@@ -154,6 +155,13 @@ class _TensorLoader:
         return data
 
     def __call__(self, item: TensorPlan) -> np.ndarray:
+        if item.build is not None:
+            sources = (item.source, *item.more)
+            parts = [
+                self._dequantize(t).reshape(shape)
+                for t, shape in zip(sources, item.source_shapes, strict=True)
+            ]
+            return item.build(parts).reshape(item.shape)
         data = self._dequantize(item.source)
         if item.expert >= 0:
             data = data.reshape(-1, *item.shape)[item.expert]

@@ -1,9 +1,11 @@
 """GGUF `tokenizer.*` metadata -> tokenizer.json, tokenizer_config.json, generation_config.json.
 
-Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen) become a
-`tokenizers` BPE with the pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`; SentencePiece
-vocabularies ("llama": Llama 2, Mistral, Mixtral) become the byte-fallback BPE that transformers
-builds for them, with merges derived from the token scores.
+Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen, Phi-4,
+gpt-oss's o200k harmony vocabulary) become a `tokenizers` BPE with the pre-tokenizer llama.cpp
+uses for `tokenizer.ggml.pre`; SentencePiece
+vocabularies ("llama": Llama 2, Mistral, Mixtral, Phi-3, Gemma 3 with its control tokens and no
+space prefix) become the byte-fallback BPE that transformers builds for them, with merges derived
+from the token scores.
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ _GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "hunyuan")
+# o200k (GPT-4o, gpt-oss's harmony vocabulary): the regex of its tokenizer.json, which llama.cpp
+# rewrites without Unicode case classes to the same effect.
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_O200K_PRE = ("gpt-4o",)
+# End-of-turn tokens the HF checkpoints' generation_config stops on besides EOS, which the GGUF
+# does not always name (llama.cpp finds them by their text); added when they are control tokens.
+_END_OF_TURN = {
+    "gemma3_text": ("<end_of_turn>",),
+    "gpt_oss": ("<|return|>", "<|call|>", "<|endoftext|>"),
+    "phi3": ("<|end|>", "<|im_end|>", "<|endoftext|>"),
+}
 
 
 def _pre_tokenizer(pre: str) -> tuple[Any, bool]:
@@ -65,7 +84,15 @@ def _pre_tokenizer(pre: str) -> tuple[Any, bool]:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ), False
-    known = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE + _QWEN2_PRE)
+    if pre in _O200K_PRE:
+        # Whole pieces first, as tiktoken encodes (ignore_merges).
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_O200K_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ), True
+    known = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE + _QWEN2_PRE + _O200K_PRE)
     raise UnsupportedModelError(
         f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: {known}"
     )
@@ -225,6 +252,10 @@ def build_tokenizer(
         value = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int) and value not in eos_ids:
             eos_ids.append(value)
+    for text in _END_OF_TURN.get(config.get("model_type", ""), ()):
+        index = vocab.get(text)
+        if index is not None and types[index] == _TOKEN_CONTROL and index not in eos_ids:
+            eos_ids.append(index)
     generation_config: dict[str, Any] = {"bos_token_id": bos_id}
     generation_config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids or None
     return tok, tokenizer_config, generation_config
