@@ -43,6 +43,7 @@ class ParsedMessage(NamedTuple):
 
     content: str  # the text with the calls taken out ("" when nothing else was said)
     tool_calls: list[ToolCall]
+    reasoning: str | None = None  # a reasoning channel's text (formats that have one)
 
 
 class StreamParser(ABC):
@@ -103,6 +104,10 @@ class ChatFormat(ABC):
         """The sampling parameters a request with tools needs (a format whose calls are
         written in special tokens asks for them in the text here)."""
         return params
+
+    # Whether every chat output is read through `parse`, tools or not (a format whose answer
+    # and reasoning are separate channels).
+    reads_every_output = False
 
 
 _FORMATS: list[type[ChatFormat]] = []
@@ -378,6 +383,169 @@ def _fallback_messages(messages: Any, tools: Sequence[Tool] | None) -> Any:
     return out
 
 
+# ---- harmony (gpt-oss): channels and `to=functions.NAME` calls -----------------------------
+
+_START, _CHANNEL, _MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+_CONSTRAIN, _CALL = "<|constrain|>", "<|call|>"
+_ENDS = ("<|end|>", "<|return|>", _CALL)
+# One message: an optional role after <|start|>, a header up to <|message|>, a body up to an end
+# token or the end of the text.
+_HARMONY_MESSAGE = re.compile(
+    r"(?:<\|start\|>[^<]*)?(?P<header>(?:(?!<\|message\|>).)*)<\|message\|>"
+    r"(?P<body>(?:(?!<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>).)*)"
+    r"(?P<end><\|end\|>|<\|return\|>|<\|call\|>)?",
+    re.S,
+)
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+_HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+@register_chat_format
+class HarmonyFormat(ChatFormat):
+    """OpenAI's harmony format (gpt-oss): the reply is a sequence of messages, each
+    `<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>BODY` ended by <|end|>,
+    <|return|> (the last) or <|call|> (a tool call), later ones after `<|start|>assistant`.
+    The "analysis" channel is reasoning (`reasoning_text`), "final" the answer, and a
+    "commentary" message to `functions.NAME` a call with JSON arguments; a commentary message to
+    no one is a preamble shown to the user, kept in the content.
+
+    The markers are special tokens: requests ask for them in the text (skip_special_tokens
+    off) and stop at <|call|> as at <|return|>. Tools render through the template's `tools`
+    argument (gpt-oss's template writes them as a TypeScript-like namespace). A forced call is
+    a grammar over the markers: the call message alone, its arguments valid under the schema.
+    """
+
+    reads_every_output = True
+
+    @classmethod
+    def matches(cls, tokenizer: Tokenizer) -> bool:
+        template = tokenizer.chat_template or ""
+        return _CHANNEL in template and _MESSAGE in template
+
+    def render(
+        self, messages: Any, tools: Sequence[Tool] | None, template_kwargs: Mapping[str, Any]
+    ) -> str:
+        kwargs = dict(template_kwargs)
+        if tools:
+            kwargs["tools"] = [t.spec for t in tools]
+        return self.tokenizer.apply_chat_template(
+            normalize_messages(messages), add_generation_prompt=True, **kwargs
+        )
+
+    def prepare(self, params: SamplingParams) -> SamplingParams:
+        stops = [
+            i
+            for i in (self.tokenizer.token_to_id(t) for t in ("<|return|>", _CALL))
+            if i is not None and i not in params.stop_token_ids
+        ]
+        return msgspec.structs.replace(
+            params,
+            skip_special_tokens=False,
+            stop_token_ids=[*params.stop_token_ids, *stops],
+        )
+
+    def constraint(
+        self, tools: Sequence[Tool], choice: ToolChoice, answer: StructuredOutput | None
+    ) -> StructuredOutput | None:
+        if choice.forced:
+            allowed = [t for t in tools if choice.mode == "required" or t.name == choice.name]
+            lines = ["start: " + " | ".join(f"call_{i}" for i in range(len(allowed)))]
+            for i, tool in enumerate(allowed):
+                lines.append(
+                    f'call_{i}: {_CHANNEL} "commentary to=functions.{tool.name} " {_CONSTRAIN} '
+                    f'"json" {_MESSAGE} {json_rule(tool.parameters)} {_CALL}'
+                )
+            return StructuredOutput(grammar="\n".join(lines))
+        if answer is not None:
+            raise InvalidRequestError(
+                "tools with response_format: this model's harmony format writes its answer "
+                "after its reasoning, which a response_format cannot constrain together with "
+                "calls; give one of them"
+            )
+        return None
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> ParsedMessage:
+        names = {t.name for t in tools}
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCall] = []
+        matched = 0  # characters covered by messages
+        for m in _HARMONY_MESSAGE.finditer(text):
+            if text[matched : m.start()].strip():  # text outside any message: the answer
+                content.append(_strip_markers(text[matched : m.start()]))
+            matched = m.end()
+            header, body = m["header"], m["body"]
+            channel = _HARMONY_CHANNEL.search(header)
+            recipient = _HARMONY_RECIPIENT.search(header)
+            kind = channel[1] if channel else "final"
+            if recipient is not None:
+                call = _harmony_call(recipient[1], body, names)
+                if call is not None:
+                    calls.append(call)
+                    continue
+                content.append(body)  # a call the tools do not know, or unreadable: as written
+            elif kind == "analysis":
+                reasoning.append(body)
+            else:  # final, or a commentary preamble
+                content.append(body)
+        if text[matched:].strip():
+            content.append(_strip_markers(text[matched:]))
+        return ParsedMessage(
+            "\n".join(c for c in content if c), calls, "\n".join(reasoning) or None
+        )
+
+    def stream_parser(self, tools: Sequence[Tool]) -> StreamParser:
+        return _HarmonyStream(self, tools)
+
+
+class _HarmonyStream(StreamParser):
+    """Hands out the answer as it grows: the content `parse` reads from the text so far, once
+    the message it belongs to has its header (so reasoning and calls never leak into it)."""
+
+    def __init__(self, fmt: HarmonyFormat, tools: Sequence[Tool]) -> None:
+        self._format = fmt
+        self._tools = tools
+        self._emitted = ""
+
+    def feed(self, text: str) -> str:
+        # The open message (after the last <|start|>, or the first one) waits while its header
+        # is incomplete (it may be reasoning or a call) and while it is an unfinished call.
+        last = max(text.rfind(_START), 0)
+        header, sep, _ = text[last:].partition(_MESSAGE)
+        if not sep or (_HARMONY_RECIPIENT.search(header) and not text.endswith(_ENDS)):
+            text = text[:last]
+        content = self._format.parse(text, self._tools).content
+        if not content.startswith(self._emitted):
+            return ""  # parse regrouped what was handed out: the rest waits for finish
+        delta = content[len(self._emitted) :]
+        self._emitted = content
+        return delta
+
+    def finish(self, text: str) -> tuple[ParsedMessage, str]:
+        parsed = self._format.parse(text, self._tools)
+        if not parsed.content.startswith(self._emitted):
+            return parsed, ""
+        return parsed, parsed.content[len(self._emitted) :]
+
+
+def _harmony_call(recipient: str, body: str, names: set[str]) -> ToolCall | None:
+    if recipient not in names:
+        return None
+    try:
+        arguments = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(id=new_call_id(), name=recipient, arguments=arguments)
+
+
+def _strip_markers(text: str) -> str:
+    for marker in (_START, _CHANNEL, _MESSAGE, _CONSTRAIN, *_ENDS):
+        text = text.replace(marker, "")
+    return text.strip()
+
+
 # ---- one request ---------------------------------------------------------------------------
 
 
@@ -405,12 +573,12 @@ class ToolChat:
         tool_choice "none"). `params` are the caller's; `answer_params` the same with the
         response_format's constraint, if any."""
         if tools is None:
-            parse_tool_choice(tool_choice, None)
-            return None
+            choice = parse_tool_choice(tool_choice, None)
+            return cls._reader(fmt, choice, answer_params or params)
         parsed = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, parsed)
         if choice.mode == "none":
-            return None
+            return cls._reader(fmt, choice, answer_params or params)
         if params is not None and params.structured is not None:
             raise InvalidRequestError(
                 "tools and SamplingParams.structured are both set: tool calls are constrained by "
@@ -427,11 +595,24 @@ class ToolChat:
         sampling = fmt.prepare(msgspec.structs.replace(base, structured=structured))
         return cls(fmt, parsed, choice, sampling)
 
+    @classmethod
+    def _reader(
+        cls, fmt: ChatFormat, choice: ToolChoice, params: SamplingParams | None
+    ) -> ToolChat | None:
+        """A request without tools: read through the format only where it reads every output."""
+        if not fmt.reads_every_output:
+            return None
+        return cls(fmt, [], choice, fmt.prepare(params or SamplingParams()))
+
     def finish(self, output: RequestOutput) -> RequestOutput:
         """A finished output with its calls parsed out."""
         parsed = self.format.parse(output.text, self.tools)
         return msgspec.structs.replace(
-            output, text=parsed.content, delta_text=parsed.content, tool_calls=parsed.tool_calls
+            output,
+            text=parsed.content,
+            delta_text=parsed.content,
+            tool_calls=parsed.tool_calls if self.tools else None,
+            reasoning_text=parsed.reasoning,
         )
 
     def stream(self, outputs: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
@@ -447,7 +628,8 @@ class ToolChat:
                         output,
                         text=parsed.content,
                         delta_text=delta,
-                        tool_calls=parsed.tool_calls,
+                        tool_calls=parsed.tool_calls if self.tools else None,
+                        reasoning_text=parsed.reasoning,
                     )
                 else:
                     delta = parser.feed(output.text)

@@ -65,6 +65,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # calls parsed from the output, [] if it made none; `text` then holds the rest of the
     # output. None otherwise (and on stream outputs before the last).
     tool_calls: list[ToolCall] | None = None
+    # Chat only, for formats with a reasoning channel (gpt-oss): the model's reasoning, apart
+    # from `text` (the answer). None when the format has none.
+    reasoning_text: str | None = None
 
 
 class OutputProcessor:

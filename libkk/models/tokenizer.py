@@ -156,6 +156,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source, or None."""
+        return self._chat_template
+
     # ---------------------------------------------------------------------- encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -330,6 +330,8 @@ class _Server:
             }
             if calls:
                 message["tool_calls"] = calls
+            if out.reasoning_text is not None:  # vLLM's name for a reasoning channel's text
+                message["reasoning_content"] = out.reasoning_text
             choices.append(
                 {
                     "index": i,
@@ -397,6 +399,10 @@ class _Server:
                     choice = _chat_choice(i, {"content": text})
                     choice["logprobs"] = self._chat_logprobs(req, new)
                     yield self._chat_chunk(req, rid, created, [choice])
+                if parser is not None and out.finished and parsed.reasoning is not None:
+                    # The reasoning comes whole, before the end (the answer streams as it grows).
+                    reasoning = {"reasoning_content": parsed.reasoning}
+                    yield self._chat_chunk(req, rid, created, [_chat_choice(i, reasoning)])
                 if calls:
                     yield self._chat_chunk(
                         req, rid, created, [_chat_choice(i, {"tool_calls": calls})]

@@ -255,7 +255,7 @@ def test_lenient_shapes(fmt):
 
 def test_plain_text_is_unchanged(fmt):
     text = "  Paris is sunny. <tool> is not a tag\n"
-    assert fmt.parse(text, TOOL_LIST) == (text, [])
+    assert fmt.parse(text, TOOL_LIST) == (text, [], None)
 
 
 STREAMED = [
