@@ -122,6 +122,7 @@ def write_model_gguf(
     per_expert: bool = False,
     expert_type: Q | None = None,
     fused_gate_up: bool = False,
+    split_qkv: bool = False,
     tokenizer_pre: str | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -133,7 +134,8 @@ def write_model_gguf(
     less the one llama.cpp adds, gpt-oss gate/up interleaved again). `per_expert`: one tensor per
     expert (`blk.{i}.ffn_gate.{e}.weight`, older llama.cpp Mixtral exports) instead of stacked
     ones; `fused_gate_up`: gpt-oss experts as one `ffn_gate_up_exps` (gate rows first), as
-    llama.cpp writes them with --fuse-gate-up-exps. `metadata`: extra keys (int, float, str or
+    llama.cpp writes them with --fuse-gate-up-exps; `split_qkv`: Phi-3's q/k/v as three tensors
+    (`attn_q/k/v`), which llama.cpp's Phi-3 tensor list also allows. `metadata`: extra keys (int, float, str or
     a list of bools)."""
     cfg = model.config
     model_type = cfg.model_type
@@ -290,6 +292,15 @@ def write_model_gguf(
         parts = hf_name.split(".")  # model.layers.{i}.<module>.<proj>.<param>
         i, rest = int(parts[2]), ".".join(parts[3:])
         blk = f"blk.{i}."
+        if split_qkv and rest == "self_attn.qkv_proj.weight":
+            q_dim = cfg.num_attention_heads * head_dim
+            kv_dim = cfg.num_key_value_heads * head_dim
+            q, k, v = np.split(value, [q_dim, q_dim + kv_dim])
+            got = [
+                add(f"{blk}attn_{n}.weight", x, True) for n, x in zip("qkv", (q, k, v), strict=True)
+            ]
+            expected[hf_name] = torch.from_numpy(np.concatenate(got))
+            continue
         if model_type == "gpt_oss" and rest.startswith("mlp.experts."):
             expected[hf_name] = torch.from_numpy(add_gpt_oss_experts(blk, rest, value))
             continue

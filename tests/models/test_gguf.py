@@ -289,11 +289,11 @@ def test_untied_output_becomes_lm_head(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
-def test_refuses_other_architectures(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "q.gguf", arch="gemma")
-    with pytest.raises(
-        UnsupportedModelError, match=r"'gemma'.*supported: llama, qwen2, qwen3, qwen3moe"
-    ):
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "mistral3", "phi2", "qwen2moe"])
+def test_refuses_other_architectures(arch: str, tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "q.gguf", arch=arch)
+    supported = "llama, qwen2, qwen3, qwen3moe, phi3, gemma3, gpt-oss"
+    with pytest.raises(UnsupportedModelError, match=rf"'{arch}'.*supported: {supported}$"):
         convert_gguf(tmp_path / "q.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -727,10 +727,16 @@ def test_per_expert_mixtral_export_converts_like_stacked(tmp_path: Path) -> None
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+# NOTE: transformers' reader of gpt-oss GGUFs expects other expert names and fails on llama.cpp's
+# YaRN keys, and it has no Mistral-as-llama path for a windowed Mistral: those two are checked
+# against the transformers models themselves (test_family_gguf_runs_like_dequantized_reference).
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral_full", "phi3", "gemma3"]
+)
 def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) -> None:
     """transformers' own GGUF reader (metadata keys, tensor names, q/k un-permute where it
-    applies) reads the same config values and weights as the converted folder holds."""
+    applies, Gemma's norms less one) reads the same config values and weights as the converted
+    folder holds."""
     from transformers import AutoModelForCausalLM
 
     load_gguf_checkpoint = transformers_gguf_loader()
@@ -742,6 +748,8 @@ def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) ->
     )
     convert_gguf(src, tmp_path / "hf", progress=False)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    rope = ours.config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type
     reference = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=ours)
     ref_config = reference["config"]
     for key in (
@@ -758,9 +766,10 @@ def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) ->
         "num_experts_per_tok",
         "norm_topk_prob",
         "head_dim",
+        "sliding_window",
     ):
         if key in ref_config:
-            got = ours.config.rope_parameters["rope_theta"] if key == "rope_theta" else None
+            got = rope["rope_theta"] if key == "rope_theta" else None
             got = getattr(ours.config, key) if got is None else got
             assert got == pytest.approx(ref_config[key]), key
     state = ours.state_dict()
@@ -768,6 +777,282 @@ def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) ->
     assert len(reference["tensors"]) >= len(state) - 1  # all but a tied lm_head
     for name, value in reference["tensors"].items():
         torch.testing.assert_close(state[name], torch.as_tensor(value), rtol=0, atol=0, msg=name)
+
+
+# ------------------------------------------------- fused, stacked and shifted tensors, metadata
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_up_split", "gate_up_fused"])
+@torch.no_grad()
+def test_gpt_oss_mxfp4_experts(fused: bool, tmp_path: Path, _one_thread: None) -> None:
+    """gpt-oss experts in MXFP4 as llama.cpp stores them (gate and up split, or fused with
+    gate rows first), the rest in Q8_0: converted to transformers' interleaved float layout,
+    the model runs as transformers does on the dequantized weights."""
+    model = tiny_hf_model("gpt_oss")
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    src = tmp_path / "gpt-oss.gguf"
+    expected = write_model_gguf(model, src, Q.Q8_0, tokens=TOKENS, token_types=TYPES,
+                                merges=MERGES, tokenizer_pre="gpt-4o", expert_type=Q.MXFP4,
+                                fused_gate_up=fused)  # fmt: skip
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(src).tensors}
+    stacked = "blk.0.ffn_gate_up_exps.weight" if fused else "blk.0.ffn_gate_exps.weight"
+    assert types[stacked] == Q.MXFP4 and types["blk.1.ffn_down_exps.weight"] == Q.MXFP4
+    assert ("blk.0.ffn_up_exps.weight" in types) is not fused
+    _check_family_parity(model, original, expected, src, tmp_path / "hf", Q.MXFP4, "gpt_oss")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert got["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 512)
+    np.testing.assert_array_equal(
+        got["model.layers.1.mlp.experts.gate_up_proj_bias"],
+        expected["model.layers.1.mlp.experts.gate_up_proj_bias"].numpy(),
+    )
+
+
+@torch.no_grad()
+def test_phi3_split_qkv_converts_like_fused(tmp_path: Path, _one_thread: None) -> None:
+    """A Phi-3 GGUF with q/k/v as three tensors gives the same `qkv_proj` as the fused one."""
+    model = tiny_hf_model("phi3")
+    for split in (False, True):
+        write_model_gguf(model, tmp_path / f"{split}.gguf", Q.Q8_0, tokens=TOKENS,
+                         token_types=TYPES, merges=MERGES, split_qkv=split)  # fmt: skip
+        convert_gguf(tmp_path / f"{split}.gguf", tmp_path / f"hf{split}", progress=False)
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "True.gguf").tensors}
+    assert "blk.0.attn_k.weight" in names and "blk.0.attn_qkv.weight" not in names
+    fused = load_file(tmp_path / "hfFalse" / "model.safetensors")
+    split = load_file(tmp_path / "hfTrue" / "model.safetensors")
+    assert set(fused) == set(split)
+    for name, value in fused.items():
+        np.testing.assert_array_equal(split[name], value, err_msg=name)
+
+
+def _hf_rope(model: torch.nn.Module) -> Any:
+    """libkk's parse of the transformers model's own config (what the GGUF must come back to)."""
+    from libkk.models.arch_config import parse_arch_config
+
+    return parse_arch_config(json.loads(model.config.to_json_string()))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_phi3_metadata(window: int | None, tmp_path: Path) -> None:
+    """LongRoPE factors, their original context and attention factor, partial rotary and the
+    window come back as the transformers config had them; Phi-4 (window 0, no factors, full
+    rotary) has none of them."""
+    from libkk.models.arch_config import parse_arch_config
+
+    cls_name, extra = GGUF_FAMILIES["phi3"]
+    config = getattr(transformers, cls_name)(**(_FAMILY_COMMON | extra | dict(
+        sliding_window=window, original_max_position_embeddings=64)))  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    write_model_gguf(model, tmp_path / "p.gguf", Q.F32, tokens=TOKENS, token_types=TYPES,
+                     merges=MERGES)  # fmt: skip
+    convert_gguf(tmp_path / "p.gguf", tmp_path / "hf", progress=False)
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert raw["rope_scaling"]["long_factor"] == [1.0, 3.0, 7.0, 16.0]
+    assert raw["rope_scaling"]["short_factor"] == [1.0, 1.3, 1.7, 2.5]
+    assert raw["original_max_position_embeddings"] == 64 and raw["sliding_window"] == window
+    ours, want = parse_arch_config(raw), _hf_rope(model)
+    assert ours.rope == want.rope and ours.rope.use_long_factor
+    assert ours.sliding_window == want.sliding_window == window
+
+    phi4 = transformers.Phi3Config(
+        **(_FAMILY_COMMON | dict(pad_token_id=None, sliding_window=None))
+    )
+    model = transformers.AutoModelForCausalLM.from_config(phi4)
+    write_model_gguf(model, tmp_path / "4.gguf", Q.F32, tokens=TOKENS, token_types=TYPES,
+                     merges=MERGES)  # fmt: skip
+    fields = gguf.GGUFReader(tmp_path / "4.gguf").fields
+    assert fields["phi3.attention.sliding_window"].parts[-1][0] == 0  # as llama.cpp writes Phi-4
+    convert_gguf(tmp_path / "4.gguf", tmp_path / "hf4", progress=False)
+    raw = json.loads((tmp_path / "hf4" / "config.json").read_text())
+    assert (raw["rope_scaling"], raw["sliding_window"], raw["partial_rotary_factor"]) == (
+        None, None, 1.0)  # fmt: skip
+    assert parse_arch_config(raw).rope == _hf_rope(model).rope
+
+
+def _metadata_only_gguf(
+    path: Path, arch: str, layers: int, extra: dict[str, Any], vocab: Any = None
+) -> None:
+    """An `arch` GGUF with hyperparameters and the embedding only (enough for build_config);
+    `vocab(writer)` writes tokenizer keys."""
+    w = gguf.GGUFWriter(str(path), arch)
+    rows = 8
+    if vocab is not None:
+        rows = vocab(w)
+    w.add_block_count(layers)
+    w.add_context_length(1024)
+    w.add_embedding_length(128)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(64)
+    w.add_value_length(64)
+    w.add_layer_norm_rms_eps(1e-6)
+    for key, value in extra.items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((rows, 128), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _config_of(path: Path) -> dict[str, Any]:
+    from libkk.models.gguf.arch import build_config, resolve_family
+    from libkk.models.gguf.metadata import Metadata
+
+    reader = gguf.GGUFReader(path)
+    arch, family = resolve_family(Metadata(reader, path))
+    return build_config(Metadata(reader, path), reader, arch, family)
+
+
+@pytest.mark.parametrize(
+    ("layers", "extra", "want"),
+    [
+        # llama.cpp's fixed Gemma 3 facts: every 6th layer full, local base 10000, and the
+        # attention scale by the layer count (the 27B's 62: hidden / heads = 32).
+        (8, {"gemma3.attention.sliding_window": 512}, dict(
+            full=[5], local_theta=10000.0, scalar=64, window=512)),
+        (62, {"gemma3.attention.sliding_window": 256}, dict(
+            full=[5, 11, 17, 23, 29, 35, 41, 47, 53, 59], local_theta=10000.0, scalar=32,
+            window=256)),
+        # Keys a newer export writes win over the fixed values.
+        (4, {"gemma3.attention.sliding_window": 512,
+             "gemma3.attention.sliding_window_pattern": [True, False, False, True],
+             "gemma3.rope.freq_base_swa": 500.0, "gemma3.attention.scale": 0.125}, dict(
+            full=[1, 2], local_theta=500.0, scalar=64, window=512)),
+        (4, {"gemma3.attention.sliding_window": 512,
+             "gemma3.attention.sliding_window_pattern": 2}, dict(
+            full=[1, 3], local_theta=10000.0, scalar=64, window=512)),
+        # No window key (a pattern of 1 in the HF config): every layer full.
+        (3, {}, dict(full=[0, 1, 2], local_theta=10000.0, scalar=64, window=None)),
+    ],
+)  # fmt: skip
+def test_gemma3_metadata(
+    layers: int, extra: dict[str, Any], want: dict[str, Any], tmp_path: Path
+) -> None:
+    from libkk.models.arch_config import parse_arch_config
+
+    _metadata_only_gguf(tmp_path / "g.gguf", "gemma3", layers, extra)
+    config = _config_of(tmp_path / "g.gguf")
+    full = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
+    assert full == want["full"]
+    assert config["rope_local_base_freq"] == want["local_theta"]
+    assert config["query_pre_attn_scalar"] == want["scalar"]
+    arch = parse_arch_config(config)
+    assert arch.sliding_window == want["window"] and arch.local_rope.theta == want["local_theta"]
+    assert arch.attention_scale == pytest.approx(want["scalar"] ** -0.5)
+
+
+def test_gemma3_odd_embedding_scale_is_refused(tmp_path: Path) -> None:
+    _metadata_only_gguf(tmp_path / "g.gguf", "gemma3", 2, {"gemma3.embedding_scale": 2.0})
+    with pytest.raises(UnsupportedModelError, match="embedding_scale"):
+        _config_of(tmp_path / "g.gguf")
+
+
+def test_mistral_window_and_pattern_of_gpt_oss(tmp_path: Path) -> None:
+    """A llama GGUF with a window is a Mistral; gpt-oss alternates sliding and full layers
+    (pattern 2) unless the file says otherwise."""
+    _metadata_only_gguf(tmp_path / "m.gguf", "llama", 2, {"llama.attention.sliding_window": 4096})
+    config = _config_of(tmp_path / "m.gguf")
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4096)
+    oss = {"gpt-oss.attention.sliding_window": 128, "gpt-oss.expert_count": 8,
+           "gpt-oss.expert_used_count": 2}  # fmt: skip
+    _metadata_only_gguf(tmp_path / "o.gguf", "gpt-oss", 4, oss)
+    config = _config_of(tmp_path / "o.gguf")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert (config["swiglu_limit"], config["num_local_experts"]) == (7.0, 8)
+
+
+# Gemma's SentencePiece vocabulary as llama.cpp stores it: control tokens first, <unk> unknown,
+# the chat turn markers as control tokens, byte fallback, pieces without a space prefix.
+GEMMA_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello",
+                "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "\n"]  # fmt: skip
+GEMMA_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                *(f"<0x{b:02X}>" for b in range(256)), *GEMMA_PIECES]  # fmt: skip
+GEMMA_TYPES = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * len(GEMMA_PIECES)
+GEMMA_SCORES = [0.0] * 262 + [-float(i) for i in range(len(GEMMA_PIECES))]
+
+
+def test_gemma3_sentencepiece_vocabulary(tmp_path: Path) -> None:
+    """Gemma 3's vocabulary: no "▁" prefix, <bos> added, the turn markers whole and special,
+    and generation stopping on <end_of_turn> as well as <eos> (HF's generation_config)."""
+
+    def vocab(w: gguf.GGUFWriter) -> int:
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(GEMMA_TOKENS)
+        w.add_token_types(GEMMA_TYPES)
+        w.add_token_scores(GEMMA_SCORES)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(False)
+        return len(GEMMA_TOKENS)
+
+    _metadata_only_gguf(tmp_path / "tok.gguf", "gemma3", 1, {}, vocab)
+    from libkk.models.gguf.metadata import Metadata
+    from libkk.models.gguf.tokenizer import build_tokenizer
+
+    meta = Metadata(gguf.GGUFReader(tmp_path / "tok.gguf"), tmp_path / "tok.gguf")
+    tok_json, tok_config, gen = build_tokenizer(meta, _config_of(tmp_path / "tok.gguf"))
+    (tmp_path / "hf").mkdir()
+    tok_json.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    tok = Tokenizer.from_folder(tmp_path / "hf")
+    ids = {t: i for i, t in enumerate(GEMMA_TOKENS)}
+    text = "<start_of_turn>hello world<end_of_turn>\n"
+    assert tok.encode(text) == [2, 4, ids["hello"], ids["\u2581world"], 5, ids["\n"]]
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    assert tok.encode("é") == [2, ids["<0xC3>"], ids["<0xA9>"]]
+    assert gen["eos_token_id"] == [1, 5] and gen["bos_token_id"] == 2
+    assert (tok_config["bos_token"], tok_config["pad_token"]) == ("<bos>", "<pad>")
+    assert {"<start_of_turn>", "<end_of_turn>"} <= set(tok_config["extra_special_tokens"])
+
+
+def test_o200k_pre_tokenizer_and_harmony_stop_tokens(tmp_path: Path) -> None:
+    """gpt-oss's "gpt-4o" pre-tokenizer splits as the o200k regex does in the `regex` module
+    (tiktoken's pattern), and ASCII text as llama.cpp's case-class-free rewrite of it does
+    (which reads É as lower case); generation stops on <|return|> and <|call|>, not on <|end|>,
+    which ends an analysis message mid-answer."""
+    import regex
+
+    from libkk.models.gguf.tokenizer import _O200K_SPLIT, _pre_tokenizer
+
+    llama_cpp = (
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    pre, ignore_merges = _pre_tokenizer("gpt-4o")
+    assert ignore_merges  # tiktoken looks whole pieces up first
+    decode = {c: bytes([b]) for b, c in enumerate(byte_alphabet())}
+    for text in ["HelloWorld's CamelCASE x12345 ", "don'T  stop\n\n  ok/\n", "ÉCOLE über 日本語"]:
+        got = [piece for piece, _ in pre.pre_tokenize_str(text)]
+        got = [b"".join(decode[c] for c in piece).decode() for piece in got]
+        assert got == [m.group(0) for m in regex.finditer(_O200K_SPLIT, text)], text
+        if text.isascii():
+            assert got == [m.group(0) for m in regex.finditer(llama_cpp, text)], text
+
+    harmony = ["<|startoftext|>", "<|return|>", "<|end|>", "<|call|>"]  # <|endoftext|>: id 0
+    model = tiny_hf_model("gpt_oss")
+    write_model_gguf(model, tmp_path / "o.gguf", Q.F32, tokens=TOKENS + harmony,
+                     token_types=TYPES + [3] * 4, merges=MERGES, tokenizer_pre="gpt-4o")  # fmt: skip
+    from libkk.models.gguf.metadata import Metadata
+    from libkk.models.gguf.tokenizer import build_tokenizer
+
+    meta = Metadata(gguf.GGUFReader(tmp_path / "o.gguf"), tmp_path / "o.gguf")
+    _, _, gen = build_tokenizer(meta, {"model_type": "gpt_oss", "max_position_embeddings": 256})
+    base = len(TOKENS)
+    assert gen["eos_token_id"] == [2, base + 1, base + 3, 0]  # EOS, return, call, endoftext
 
 
 # --------------------------------------------------------------------- cache of the default

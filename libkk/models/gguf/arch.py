@@ -282,6 +282,9 @@ def build_config(meta: Metadata, reader: Any, arch: str, family: Family) -> dict
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        # Written even when absent: some config classes (Phi-3's) default to an id past the
+        # vocabulary.
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
     if family.model_type in ("llama", "mistral"):
@@ -340,7 +343,9 @@ def build_config(meta: Metadata, reader: Any, arch: str, family: Family) -> dict
 def _factors(tensor: Any) -> list[float]:
     from gguf.quants import dequantize
 
-    return [float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type)).ravel()]
+    # The shortest decimal of each float32 is the value config.json had (1.3, not 1.2999999523).
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).ravel()
+    return [float(str(x)) for x in values]
 
 
 def _phi3_config(
