@@ -31,6 +31,7 @@ def determine_num_blocks(
     max_blocks_useful: int,
     *,
     max_model_len: int | None = None,
+    seq_blocks: int | None = None,
 ) -> int:
     """How many KV blocks to allocate, the null block included.
 
@@ -41,11 +42,15 @@ def determine_num_blocks(
     The count is capped at `max_blocks_useful` (max_num_seqs * ceil(max_model_len / block_size) + 1:
     more could never be used) and is at least 2. Raises ConfigError if the cache cannot hold one
     sequence of `max_model_len` tokens (when given) or, without it, fewer than 2 blocks fit.
+    `seq_blocks`: the most blocks such a sequence holds at once, when fewer than
+    ceil(max_model_len / block_size) (a model whose every layer has a sliding window).
     """
     if bytes_per_block < 1:
         raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
     block_size = cache_config.block_size
     num_needed = 2 if max_model_len is None else -(-max_model_len // block_size) + 1
+    if max_model_len is not None and seq_blocks is not None:
+        num_needed = min(num_needed, seq_blocks + 1)
     what = (
         "the cache" if max_model_len is None else f"one sequence of max_model_len={max_model_len}"
     )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from libkk.cache.kv_cache import determine_num_blocks, kv_cache_bytes_per_block
-from libkk.cache.kv_cache_manager import KVCacheManager
+from libkk.cache.kv_cache_manager import KVCacheManager, window_blocks_per_seq
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.admission import make_request
@@ -45,6 +45,7 @@ from libkk.errors import (
     StructuredOutputError,
     UnknownRequestError,
 )
+from libkk.layers.attention import kv_window
 from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
@@ -107,6 +108,7 @@ class Engine:
                 config.cache.block_size,
                 enable_caching=config.cache.enable_prefix_caching,
                 host_tier=self.host_tier,
+                sliding_window=self.kv_window,
             )
             self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         proposer = rank.proposer
@@ -153,6 +155,18 @@ class Engine:
         self.kv_bytes_per_block = bytes_per_block
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         blocks_per_seq = -(-max_model_len // config.cache.block_size)
+        # Every layer windowed: a request holds the blocks of its window and of its steps only
+        # (the KV cache manager releases the rest), whatever its length.
+        self.kv_window = kv_window(model)
+        if self.kv_window is not None:
+            blocks_per_seq = min(
+                blocks_per_seq,
+                window_blocks_per_seq(
+                    self.kv_window,
+                    config.cache.block_size,
+                    config.scheduler.max_num_batched_tokens,
+                ),
+            )
         num_blocks = determine_num_blocks(
             config.cache,
             bytes_per_block,
@@ -160,6 +174,7 @@ class Engine:
             weights_bytes=self.weights_bytes,
             max_blocks_useful=config.scheduler.max_num_seqs * blocks_per_seq + 1,
             max_model_len=max_model_len,
+            seq_blocks=blocks_per_seq,
         )
         self.kv_cache_bytes = num_blocks * bytes_per_block
         if self.executor is not None:  # every rank allocates the same blocks

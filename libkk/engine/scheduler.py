@@ -280,6 +280,8 @@ class Scheduler:
         self._charge(sched_out, elapsed)
         now = time.monotonic()
         scheduled_by_id = {r.request_id: r for r in sched_out.requests}
+        for scheduled in sched_out.requests:  # done: never run again (sliding-window release)
+            self.kv_cache.step_finished(scheduled.request_id, scheduled.num_computed_tokens)
         updated: list[Request] = []
         for rid, new_tokens in runner_out.sampled_token_ids.items():
             request = sampled[rid]

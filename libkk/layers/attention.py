@@ -5,8 +5,10 @@ request's queries over its whole context (cached + new, causal within the new to
 backend is chosen once per process; the torch reference runs anywhere and is the CPU path.
 
 A layer with a sliding window W lets a query at position p see keys at positions p - W < n <= p
-(transformers' Mistral convention). The cache still keeps every block of a request: blocks wholly
-before the window are only skipped, never freed.
+(transformers' Mistral convention). Backends read no block wholly before the window of a step's
+first query: when every layer of a model has a window (`kv_window`), the KV cache manager
+releases those blocks and points their block-table entries at the null block. A model with some
+full-attention layers (Gemma 3, gpt-oss) keeps every block, since those layers read them all.
 
 A layer with attention sinks (gpt-oss) holds one learned logit per query head that joins each
 softmax's denominator and contributes no value: softmax over [scores, sink], the sink's column
@@ -201,15 +203,20 @@ class TorchAttentionBackend(AttentionBackend):
             explicit = windowed or sinks is not None
             mask, causal = None, query_len > 1 and query_len == seq_len and not explicit
             own_keys = query_len == seq_len
+            key_start = 0  # position of the first key gathered
             if own_keys:
                 keys, values = k[q_start:q_end], v[q_start:q_end]  # [seq_len, kv_heads, dim]
                 if is_fp8(kv_cache):  # what the cache holds, as the kernels read it
                     keys = dequantize(quantize_fp8(keys, k_scale), k_scale, q.dtype)
                     values = dequantize(quantize_fp8(values, v_scale), v_scale, q.dtype)
             else:
-                blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
-                keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[:seq_len]
-                values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[:seq_len]
+                # Only from the block of the first query's window on: earlier blocks may have
+                # been released (their table entries are the null block).
+                lo = max(seq_len - query_len - window + 1, 0) // block_size if windowed else 0
+                key_start = lo * block_size
+                blocks = metadata.block_table[i, lo : -(-seq_len // block_size)].long()
+                keys = gather_blocks(kv_cache[0], blocks).flatten(0, 1)[: seq_len - key_start]
+                values = gather_blocks(kv_cache[1], blocks).flatten(0, 1)[: seq_len - key_start]
             # [num_kv_heads, seq_len, head_dim]
             keys = dequantize(keys, k_scale, q.dtype).transpose(0, 1)
             values = dequantize(values, v_scale, q.dtype).transpose(0, 1)
@@ -217,7 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # Query row r sits at position seq_len - query_len + r and sees keys up to it
                 # (and, with a window, after q_pos - window).
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-                k_pos = torch.arange(seq_len, device=q.device)[None, :]
+                k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]
                 mask = k_pos <= q_pos
                 if windowed:
                     mask &= k_pos > q_pos - window
@@ -240,17 +247,22 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, kv_cache, metadata, scale, k_scale, v_scale, window=0, sinks=None):
         num_reqs = metadata.num_reqs
-        max_blocks = -(-metadata.max_seq_len // metadata.block_size)
-        blocks = metadata.block_table[:, :max_blocks].long()  # [num_reqs, max_blocks]
-        # [num_reqs, num_kv_heads, max_blocks * block_size, head_dim]
+        block_size = metadata.block_size
+        max_blocks = -(-metadata.max_seq_len // block_size)
+        # From the first block some request's window reaches (earlier ones may be released).
+        lo = max(min(metadata.seq_lens_cpu) - window, 0) // block_size if window > 0 else 0
+        blocks = metadata.block_table[:, lo:max_blocks].long()  # [num_reqs, max_blocks - lo]
+        # [num_reqs, num_kv_heads, (max_blocks - lo) * block_size, head_dim]
         shape = (num_reqs, -1, *kv_cache.shape[3:])  # [num_reqs, max_len, num_kv_heads, D]
         keys = gather_blocks(kv_cache[0], blocks.flatten()).view(shape)
         values = gather_blocks(kv_cache[1], blocks.flatten()).view(shape)
         keys = dequantize(keys, k_scale, q.dtype).transpose(1, 2)
         values = dequantize(values, v_scale, q.dtype).transpose(1, 2)
-        # Slots past each request's length hold whatever was there (maybe NaN, and masked
-        # weights of 0 times NaN are still NaN): mask the scores and zero the gathered copies.
-        k_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        # Slots past each request's length, and released blocks (the null block) before another
+        # request's window, hold whatever was there (maybe NaN, and masked weights of 0 times NaN
+        # are still NaN): mask the scores and zero the gathered copies.
+        k_pos = torch.arange(lo * block_size, lo * block_size + keys.shape[2], device=q.device)
+        k_pos = k_pos[None, :]
         seq_lens = metadata.seq_lens.to(q.device)[:, None]
         mask = k_pos < seq_lens  # [num_reqs, max_len]
         if window > 0:  # the one query sits at seq_len - 1
@@ -348,7 +360,7 @@ class Attention(IndexedLayer):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        # NOTE: the window only masks keys; every KV block of a request stays allocated.
+        # NOTE: blocks before the window are released only when every layer has one (`kv_window`).
         self.window = sliding_window or 0  # what the backends take; 0: none
         self.kv_cache: torch.Tensor | None = None
         # Not persistent: they are no model weights (a checkpoint's scales are read by the loader).
@@ -477,6 +489,16 @@ MIN_CALIBRATED_SCALE = torch.finfo(torch.float32).tiny
 def kv_scale_calibration_pending(layers: Iterable[Attention]) -> bool:
     """Whether any layer still waits for its first real store to calibrate its scales."""
     return any(layer.calibration_pending for layer in layers)
+
+
+def kv_window(model: nn.Module) -> int | None:
+    """The window within which every attention layer of `model` attends (the widest of their
+    windows), or None when some layer attends the whole context (or there is none): the KV a
+    request must keep reaches back that far and no further."""
+    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or min(windows) == 0:
+        return None
+    return max(windows)
 
 
 def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:
