@@ -1,0 +1,300 @@
+"""KVCacheManager with a sliding window: leading blocks released, window prefix hits, bounds."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from libkk.cache.kv_cache_manager import KVCacheManager, window_blocks_per_seq
+
+BS = 4
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def admit(mgr: KVCacheManager, req: Req, chunk: int | None = None) -> int:
+    hits, num_hit = mgr.get_computed_blocks(req)
+    num_new = len(req.all_token_ids) - num_hit if chunk is None else chunk
+    assert mgr.allocate_slots(req, num_new, hits) is not None
+    req.num_computed_tokens = num_hit + num_new
+    return num_hit
+
+
+def decode(mgr: KVCacheManager, req: Req, token: int) -> None:
+    """One synchronous decode step: scheduled, run, finished."""
+    req.output.append(token)
+    start = req.num_computed_tokens
+    assert mgr.allocate_slots(req, 1) is not None
+    req.num_computed_tokens += 1
+    mgr.step_finished(req.request_id, start)
+
+
+def held(mgr: KVCacheManager) -> int:
+    return sum(b.ref_cnt > 0 for b in mgr.block_pool.blocks)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 9])
+def test_decode_holds_at_most_the_window(window: int) -> None:
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=window)
+    req = Req("a", list(range(30)))
+    admit(mgr, req)
+    mgr.step_finished("a", 0)
+    bound = -(-window // BS) + 1
+    for t in range(200):
+        decode(mgr, req, t)
+        assert held(mgr) == mgr.num_held_blocks("a") <= bound
+        table = mgr.get_block_ids("a")
+        # Block i still holds positions [i*BS, (i+1)*BS): the table covers every computed token,
+        # the entries before the window are the null block, those of the window are real.
+        assert len(table) == -(-req.num_computed_tokens // BS)
+        first = max(0, req.num_computed_tokens - window) // BS  # the next query's window
+        assert set(table[:first]) <= {0} and 0 not in table[first:]
+        mgr.check_invariants()
+    mgr.free(req)
+    assert held(mgr) == 0
+    mgr.check_invariants()
+
+
+def test_without_a_window_every_block_is_kept() -> None:
+    mgr = KVCacheManager(num_blocks=80, block_size=BS)
+    req = Req("a", list(range(30)))
+    admit(mgr, req)
+    for t in range(100):
+        decode(mgr, req, t)
+    assert mgr.num_held_blocks("a") == -(-129 // BS) and 0 not in mgr.get_block_ids("a")
+
+
+def test_a_step_in_flight_keeps_its_window() -> None:
+    """Until a step is finished, the blocks its start needs stay (it may be run again)."""
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=8)
+    req = Req("a", list(range(40)))
+    admit(mgr, req)  # the prefill, computing from 0, is in flight
+    req.output.append(7)
+    assert mgr.allocate_slots(req, 1) is not None  # the next step is scheduled meanwhile
+    assert mgr.num_held_blocks("a") == 11  # position 0 is still needed by the prefill
+    mgr.step_finished("a", 0)
+    req.num_computed_tokens += 1
+    req.output.append(8)
+    assert mgr.allocate_slots(req, 1) is not None
+    # From the first decode step's start (40) on: positions 33.. -> blocks 8 to 10.
+    assert mgr.get_block_ids("a")[:8] == [0] * 8 and mgr.num_held_blocks("a") == 3
+
+
+def test_released_table_is_a_new_list() -> None:
+    """The tensor-parallel step messages send what was appended to the list last sent."""
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=4)
+    req = Req("a", list(range(8)))
+    admit(mgr, req)
+    mgr.step_finished("a", 0)
+    before = mgr.get_block_ids("a")
+    snapshot = list(before)
+    decode(mgr, req, 1)
+    after = mgr.get_block_ids("a")
+    assert after is not before and before == snapshot and after[0] == 0
+
+
+def test_released_cached_blocks_stay_findable_until_reused() -> None:
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=8)
+    req = Req("a", list(range(20)))
+    admit(mgr, req)
+    mgr.step_finished("a", 0)
+    decode(mgr, req, 99)
+    assert mgr.get_block_ids("a")[:3] == [0, 0, 0] and mgr.num_held_blocks("a") == 3
+    # A request sharing the first 12 tokens: blocks 1 and 2 hold its window (position 12 sees
+    # 5..12), still cached though released.
+    other = Req("b", list(range(12)) + [5, 5])
+    hits, n = mgr.get_computed_blocks(other)
+    assert n == 12 and hits[0].is_null and not hits[1].is_null and not hits[2].is_null
+    assert mgr.allocate_slots(other, 2, hits) is not None
+    assert mgr.get_block_ids("b")[0] == 0
+    mgr.check_invariants()
+
+
+def test_window_hit_past_an_evicted_head() -> None:
+    """A lookup that stopped at the first miss would find nothing: block 0 was evicted."""
+    mgr = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=8)
+    a = Req("a", list(range(32)))
+    admit(mgr, a, chunk=16)
+    mgr.step_finished("a", 0)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 32
+    mgr.step_finished("a", 16)
+    decode(mgr, a, 1)  # releases blocks 0..5, oldest first (oldest evicted first)
+    mgr.free(a)
+    z = Req("z", [77] * 20)
+    admit(mgr, z)  # 5 blocks: the 3 holding no full block first, then a's blocks 0 and 1
+    probe = Req("p", list(range(32)) + [5])
+    hashes = mgr._hashes.get("p", probe.all_token_ids)
+    assert mgr.block_pool.get_cached_block(hashes[0], list(range(4))) is None
+    hits, n = mgr.get_computed_blocks(probe)
+    assert n == 32  # needs blocks 6 and 7 (position 32 sees 25..32) and they are cached
+    assert all(h.is_null for h in hits[:6]) and not any(h.is_null for h in hits[6:])
+    assert mgr.allocate_slots(probe, 1, hits) is not None
+    mgr.check_invariants()
+
+
+def test_window_hit_is_cut_where_the_window_is_missing() -> None:
+    mgr = KVCacheManager(num_blocks=20, block_size=BS, sliding_window=8)
+    a = Req("a", list(range(24)))
+    admit(mgr, a)
+    mgr.free(a)
+    # Evict block 4 only (positions 16..19): a hit may end at block 4 at most (blocks 2, 3).
+    hashes = mgr._hashes.get("x", list(range(24)))
+    block4 = mgr.block_pool.get_cached_block(hashes[4], list(range(16, 20)), hashes[3])
+    assert block4 is not None
+    mgr.block_pool.touch([block4])
+    mgr.block_pool._evict(block4)
+    mgr.block_pool.free_blocks([block4])
+    _, n = mgr.get_computed_blocks(Req("b", list(range(24)) + [3]))
+    assert n == 16
+
+
+def test_allocation_failure_with_a_window_is_atomic() -> None:
+    mgr = KVCacheManager(num_blocks=6, block_size=BS, sliding_window=4)  # 5 usable
+    a = Req("a", list(range(12)))
+    admit(mgr, a)
+    mgr.step_finished("a", 0)
+    b = Req("b", list(range(100, 108)))
+    admit(mgr, b)  # 2 blocks: none is free now
+    state = (mgr.block_pool.free_block_ids(), list(mgr.get_block_ids("a")))
+    # 12 more tokens for a: releasing blocks 0 and 1 frees only 2 of the 3 it needs.
+    a.output.extend([1] * 12)
+    assert mgr.allocate_slots(a, 13) is None
+    assert (mgr.block_pool.free_block_ids(), list(mgr.get_block_ids("a"))) == state
+    # One token fits once its released blocks are counted: none was free before.
+    assert mgr.allocate_slots(a, 1) is not None
+    mgr.check_invariants()
+
+
+def test_window_blocks_per_seq() -> None:
+    assert window_blocks_per_seq(8, 4, 1) == 4  # decode with a step of slack: 9 positions
+    assert window_blocks_per_seq(4096, 16, 2048) == 513
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(num_blocks=4, block_size=BS, sliding_window=0)
+
+
+class KVModel:
+    """What each slot would hold: the token prefix up to its position. A windowed request is
+    right iff every slot of its window (and of its step) holds exactly its own prefix."""
+
+    def __init__(self, mgr: KVCacheManager, window: int) -> None:
+        self.mgr = mgr
+        self.window = window
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def write(self, req: Req, start: int, end: int) -> None:
+        blocks = self.mgr.get_blocks(req.request_id)
+        tokens = req.all_token_ids
+        for pos in range(start, min(end, len(tokens))):
+            block = blocks[pos // BS]
+            assert not block.is_null and block.ref_cnt == 1
+            self.slots[block.block_id, pos % BS] = tuple(tokens[: pos + 1])
+
+    def check(self, req: Req) -> None:
+        """The keys the next query (at num_computed_tokens) reads hold the right prefix."""
+        blocks = self.mgr.get_blocks(req.request_id)
+        tokens = req.all_token_ids
+        end = req.num_computed_tokens
+        for pos in range(max(0, end - self.window + 1), end):
+            block = blocks[pos // BS]
+            assert not block.is_null, f"{req.request_id} pos {pos} released"
+            got = self.slots.get((block.block_id, pos % BS))
+            assert got == tuple(tokens[: pos + 1]), f"{req.request_id} pos {pos}"
+
+    def check_cached(self) -> None:
+        for block in self.mgr.block_pool.blocks:
+            if block.token_ids is not None:
+                stored = [self.slots[block.block_id, i][-1] for i in range(BS)]
+                assert tuple(stored) == block.token_ids
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_randomized_windowed_requests_keep_every_invariant(seed: int) -> None:
+    rng = random.Random(seed)
+    window = rng.choice([3, 6, 8])
+    mgr = KVCacheManager(num_blocks=16, block_size=BS, sliding_window=window)
+    kv = KVModel(mgr, window)
+    prefixes = [[rng.randrange(30) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
+    waiting: list[Req] = []
+    running: list[Req] = []
+    counts = {"failed": 0, "hit_tokens": 0, "finished": 0, "released": 0}
+
+    def preempt(req: Req) -> None:
+        running.remove(req)
+        mgr.free(req)
+        req.num_computed_tokens = 0
+        waiting.insert(0, req)
+
+    for step in range(800):
+        op = rng.random()
+        if op < 0.12 or not (waiting or running):
+            prompt = rng.choice(prefixes) + [rng.randrange(30) for _ in range(rng.randrange(0, 9))]
+            waiting.append(Req(f"r{step}", prompt))
+        elif op < 0.35 and waiting:
+            req = waiting[0]
+            hits, num_hit = mgr.get_computed_blocks(req)
+            chunk = rng.randint(1, min(8, len(req.all_token_ids) - num_hit))
+            if mgr.allocate_slots(req, chunk, hits) is None:
+                counts["failed"] += 1
+                continue
+            waiting.pop(0)
+            running.append(req)
+            req.num_computed_tokens = num_hit
+            kv.check(req)  # the hit's window holds exactly this request's prefix
+            counts["hit_tokens"] += num_hit
+            kv.write(req, num_hit, num_hit + chunk)
+            req.num_computed_tokens += chunk
+            mgr.step_finished(req.request_id, num_hit)
+        elif op < 0.9 and running:
+            req = rng.choice(running)
+            if req.num_computed_tokens == len(req.all_token_ids):
+                req.output.append(rng.randrange(30))
+            start = req.num_computed_tokens
+            num_new = rng.randint(1, min(6, len(req.all_token_ids) - start))
+            if mgr.allocate_slots(req, num_new) is None:
+                counts["failed"] += 1
+                preempt(req)
+                continue
+            counts["released"] += mgr.get_block_ids(req.request_id)[:1] == [0]
+            kv.check(req)
+            kv.write(req, start, start + num_new)
+            req.num_computed_tokens += num_new
+            mgr.step_finished(req.request_id, start)
+            assert mgr.num_held_blocks(req.request_id) <= window_blocks_per_seq(window, BS, 8)
+            if len(req.all_token_ids) > 60:
+                running.remove(req)
+                mgr.free(req)
+                counts["finished"] += 1
+        elif running:
+            req = rng.choice(running)
+            if rng.random() < 0.5:
+                preempt(req)
+            else:
+                running.remove(req)
+                mgr.free(req)
+                counts["finished"] += 1
+
+        mgr.check_invariants()
+        kv.check_cached()
+        for req in running:
+            kv.check(req)
+        in_use = {b for r in running for b in mgr.get_block_ids(r.request_id)} - {0}
+        assert mgr.num_free_blocks + len(in_use) == 15
+
+    assert counts["failed"] and counts["hit_tokens"] and counts["finished"] and counts["released"]
+    for req in running:
+        mgr.free(req)
+    assert mgr.num_free_blocks == 15
+    mgr.check_invariants()
