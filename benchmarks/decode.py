@@ -7,16 +7,19 @@ token: libkk from the requests' timelines, transformers as generate(N + 1) minus
 floor is the bytes a step must read / measured device copy bandwidth: every weight once, except
 the embedding table (a step reads one row per request) and, for MoE shapes, only the experts the
 batch routes to (expected distinct experts per layer under uniform routing: E * (1 - (1 - k/E)^B)),
-plus the KV cache. The batch's prefill (its prompts' first step scheduled to its last first token)
+plus the KV cache (a sliding-window layer reads only its window). The batch's prefill (its prompts' first step scheduled to its last first token)
 is reported beside its floor: the prefill's matmul FLOPs / measured bf16 matmul rate.
 
     python benchmarks/decode.py --shape qwen3-8b --batch 1 8 32 128 [--no-peer] [--out FILE]
         [--scheduling auto|sync|async]
     python benchmarks/decode.py --shape qwen3-30b-a3b --experts nvfp4 --batch 1 8 32 128
+    python benchmarks/decode.py --shape gpt-oss-20b --experts mxfp4 --batch 1 32
+    python benchmarks/decode.py --shape gemma3-12b --batch 1 32
 
 `--experts nvfp4|mxfp4` (MoE shapes) writes the experts pre-quantized (`libkk quantize`'s
 format, quantized from the random bf16 weights on the GPU); transformers cannot run those
-checkpoints, so that case has no peer row.
+checkpoints, so that case has no peer row. gpt-oss's mxfp4 is the released layout (stacked
+blocks and scales, quantization_config mxfp4), which libkk loads packed as stored.
 Packed-expert runs print (and record) the MoE tile choices the runner installed for each layer
 shape and token bucket, so a result says which tiles its steps ran.
 """
@@ -64,6 +67,57 @@ SHAPES = {
         vocab_size=151936,
         decoder_sparse_step=1,
         mlp_only_layers=[],
+    ),
+    # gpt-oss-20b: 24 layers of 32 experts (top-4) with biases and the clamped SwiGLU, attention
+    # sinks, 128-token windows in every other layer. --experts mxfp4 writes the released layout.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        moe_intermediate_size=2880,  # for this script's arithmetic (the config has no such key)
+        num_local_experts=32,
+        num_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=201088,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        attention_bias=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    ),  # fmt: skip
+    # Gemma 3 12B (text): 48 layers, 1024-token windows in five of every six.
+    "gemma3-12b": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262208,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        rope_local_base_freq=10000.0,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
     ),
     # A small shape to try the script anywhere.
     "tiny": dict(
@@ -125,7 +179,12 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
         scale = dims[-1] ** -0.5
         return (torch.randn(*dims, generator=gen, device=device) * scale).to(torch.bfloat16)
 
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
     def layer_tensors(i: int) -> dict[str, torch.Tensor]:
+        if cfg["model_type"] == "gpt_oss":
+            return gpt_oss_layer(i)
         p = f"model.layers.{i}."
         t = {
             p + "self_attn.q_proj.weight": rand(q * d, h),
@@ -153,6 +212,42 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
             t[p + "mlp.gate_proj.weight"] = rand(inter, h)
             t[p + "mlp.up_proj.weight"] = rand(inter, h)
             t[p + "mlp.down_proj.weight"] = rand(h, inter)
+        if cfg["model_type"] == "gemma3_text":  # its four norms a layer
+            t[p + "pre_feedforward_layernorm.weight"] = ones(h) * 0
+            t[p + "post_feedforward_layernorm.weight"] = ones(h) * 0
+        return t
+
+    def gpt_oss_layer(i: int) -> dict[str, torch.Tensor]:
+        """The released layout: stacked experts, MXFP4 blocks and scales (or float)."""
+        from libkk.quant.formats import quantize_mxfp4
+
+        p = f"model.layers.{i}."
+        e, inter = cfg["num_experts"], cfg["intermediate_size"]
+        t = {
+            p + "self_attn.q_proj.weight": rand(q * d, h),
+            p + "self_attn.k_proj.weight": rand(kv * d, h),
+            p + "self_attn.v_proj.weight": rand(kv * d, h),
+            p + "self_attn.o_proj.weight": rand(h, q * d),
+            p + "self_attn.sinks": rand(q) * 0,
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "mlp.router.weight": rand(e, h),
+            p + "mlp.router.bias": rand(e) * 0,
+            p + "mlp.experts.gate_up_proj_bias": rand(e, 2 * inter) * 0,
+            p + "mlp.experts.down_proj_bias": rand(e, h) * 0,
+        }
+        for proj in ("q", "k", "v", "o"):
+            rows = h if proj == "o" else (q if proj == "q" else kv) * d
+            t[p + f"self_attn.{proj}_proj.bias"] = rand(rows) * 0
+        for name, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+            w = [rand(rows, cols) for _ in range(e)]  # [out, in] per expert
+            if experts == "bf16":  # transformers' float layout: x @ W
+                t[p + f"mlp.experts.{name}"] = torch.stack(w).transpose(1, 2).contiguous()
+                continue
+            packed = [quantize_mxfp4(x.float()) for x in w]
+            blocks = torch.stack([x.weight for x in packed])
+            t[p + f"mlp.experts.{name}_blocks"] = blocks.view(e, rows, cols // 32, 16)
+            t[p + f"mlp.experts.{name}_scales"] = torch.stack([x.scale for x in packed])
         return t
 
     index: dict[str, str] = {}
@@ -160,8 +255,9 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
     head = {
         "model.embed_tokens.weight": rand(cfg["vocab_size"], h),
         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": rand(cfg["vocab_size"], h),
     }
+    if not cfg["tie_word_embeddings"]:
+        head["lm_head.weight"] = rand(cfg["vocab_size"], h)
     # One shard for the embedding and head, one per layer: built and written one at a time.
     for i in range(layers + 1):
         tensors = head if i == 0 else layer_tensors(i - 1)
@@ -173,7 +269,9 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": index})
     )
     write_word_tokenizer(path, cfg["vocab_size"])
-    if experts != "bf16":
+    if experts != "bf16" and cfg["model_type"] == "gpt_oss":  # its own expert format
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    elif experts != "bf16":
         (path / QUANT_CONFIG).write_text(json.dumps(quant_config(experts)))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))  # last: marks the folder done
 
@@ -196,8 +294,15 @@ def step_bytes(cfg: dict, weights_bytes: int, experts: str, batch: int, context:
         e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
         touched = e * (1 - (1 - k / e) ** batch)
         total -= (e - touched) * layers * expert_bytes(cfg, experts)
-    kv_per_token = 2 * layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    return total + batch * context * kv_per_token
+    # KV read: a windowed layer reads its last `sliding_window` positions only.
+    kv_per_token_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 1) == 0 else "sliding"
+        for i in range(layers)
+    ]
+    window = cfg.get("sliding_window") or context
+    read = sum(context if k == "full_attention" else min(context, window) for k in kinds)
+    return total + batch * read * kv_per_token_layer
 
 
 def prefill_flops(cfg: dict, batch: int, prompt: int) -> float:
