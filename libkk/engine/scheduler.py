@@ -18,6 +18,12 @@ allocated like any other. After verification `num_computed_tokens` counts the an
 accepted drafts only; rejected drafts' slots are overwritten by later tokens. Preemption drops
 drafts.
 
+KV blocks are asked for step by step (`allocate_slots` for the step's tokens). For a model whose
+every layer has a sliding window the cache manager first releases the request's blocks before
+its window, so a request needs blocks for its window and its step, not its whole length; the
+scheduler assumes only that an allocation either fits or changes nothing, and tells the manager
+when a step has finished (`step_finished`), after which that step's window may be released.
+
 Every step goes the same way: counts advance when it is launched (`after_launch`: its tokens are
 computed, drafts aside, and a sampling request's next token is in flight,
 `Request.num_pending_tokens`), and `append` takes its tokens when they reach the host. Async
