@@ -5,13 +5,12 @@ and the bitmask of allowed tokens applied to logits before sampling.
 `tokenizer.json`) and turns a `StructuredOutput` into a `GrammarMatcher`, raising
 `StructuredOutputError` for a constraint that cannot be used. A matcher fills one row of an int32
 bitmask `[ceil(vocab / 32)]` (bit t of word t // 32 set = token t allowed) for its next token and
-consumes the tokens that were sampled. `apply_token_bitmask_` sets the disallowed logits to -inf.
+consumes the tokens that were sampled; the sampler applies the masks (libkk.kernels.bitmask).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -201,20 +200,3 @@ def _error_text(message: str) -> str:
     """llguidance's error message without the matcher state it appends, on one line."""
     lines = [line.strip() for line in message.split("<state>")[0].splitlines() if line.strip()]
     return " ".join(lines)[:400] or "unknown error"
-
-
-def apply_token_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
-    """Sets the logits of disallowed tokens to -inf, in place; returns logits.  # [R, V]
-
-    bitmask [R, W] int32 (bit t % 32 of word t // 32 set = token t allowed), on logits' device.
-    Tokens past 32 * W (a model vocabulary padded past the tokenizer's) are disallowed.
-    """
-    num_rows, vocab_size = logits.shape
-    words = bitmask.shape[1]
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(num_rows, words * 32)  # [R, 32W]
-    n = min(vocab_size, words * 32)
-    logits[:, :n].masked_fill_(~allowed[:, :n], -math.inf)
-    if vocab_size > n:
-        logits[:, n:] = -math.inf
-    return logits

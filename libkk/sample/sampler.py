@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from libkk.sample.grammar import apply_token_bitmask_
+from libkk.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from libkk.sample.gumbel import gumbel_argmax, gumbel_argmax_at
 from libkk.sample.params import SamplingParams
 
@@ -190,16 +190,16 @@ def apply_grammar_masks(
     host = torch.zeros((len(masks), words), dtype=torch.int32)  # [G, W]
     for j, m in enumerate(masks):
         host[j, : m.shape[0]] = m
-    bitmask = (
-        host
-        if logits.device.type != "cuda"
-        else host.pin_memory().to(logits.device, non_blocking=True)
-    )
-    if len(constrained) == logits.shape[0]:
-        apply_token_bitmask_(logits, bitmask)
-    else:
-        idx = _host_ints(constrained, logits.device)
-        logits[idx] = apply_token_bitmask_(logits[idx], bitmask)
+    if logits.device.type != "cuda":
+        apply_token_bitmask_ref(logits, host, torch.tensor(list(constrained)))
+        return
+    # One kernel for the whole batch; the masks and row ids go up in one pinned copy.
+    count = len(masks)
+    packed = torch.empty(count * (words + 1), dtype=torch.int32).pin_memory()
+    packed[:count] = torch.tensor(list(constrained), dtype=torch.int32)
+    packed[count:] = host.flatten()
+    on_device = packed.to(logits.device, non_blocking=True)
+    apply_token_bitmask(logits, on_device[count:].view(count, words), on_device[:count])
 
 
 def _filters(params: SamplingParams, vocab_size: int) -> bool:

@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from libkk.kernels.bitmask import apply_token_bitmask_ref
 
 from libkk.engine.request import Request, RequestStatus
 from libkk.errors import StructuredOutputError
-from libkk.sample.grammar import GrammarCompiler, apply_token_bitmask_, bitmask_words
+from libkk.sample.grammar import GrammarCompiler, bitmask_words
 from libkk.sample.params import SamplingParams, StructuredOutput
 from libkk.sample.sampler import Sampler, SamplingRow
 
@@ -40,7 +41,7 @@ def test_bitmask_matches_a_loop(mask_vocab, logits_vocab):
     allowed[2] += [31, 0, mask_vocab - 1]  # word edges, bit 31 (the sign bit)
     logits = torch.randn(len(allowed), logits_vocab, generator=g)
     bitmask = torch.stack([_mask_of(a, mask_vocab) for a in allowed])  # [R, W]
-    got = apply_token_bitmask_(logits.clone(), bitmask)
+    got = apply_token_bitmask_ref(logits.clone(), bitmask, torch.arange(len(allowed)))
     torch.testing.assert_close(got, _apply_ref(logits, allowed), rtol=0, atol=0)
 
 
