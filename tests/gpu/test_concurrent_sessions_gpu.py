@@ -26,8 +26,9 @@ def _run(session: Session) -> list[list[int]]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_sessions_in_threads_equal_each_alone(tiny_qwen3_dir, tiny_llama_dir):
-    dirs = [tiny_qwen3_dir, tiny_llama_dir, tiny_qwen3_dir, tiny_llama_dir]
+def test_graph_sessions_in_threads_equal_each_alone(tiny_qwen3_dir, tiny_moe_dirs):
+    # Two models with no downloaded tokenizer (the GPU machine has none): dense and MoE.
+    dirs = [tiny_qwen3_dir, tiny_moe_dirs["bf"], tiny_qwen3_dir, tiny_moe_dirs["bf"]]
     sessions = [
         Session(str(d), device="cuda", max_model_len=256, max_num_seqs=8, progress=False)
         for d in dirs
