@@ -24,7 +24,7 @@ from torch import nn
 
 import libkk.engine.engine as engine_module
 from libkk import SamplingParams, Session
-from libkk.cache.kv_cache_manager import KVCacheManager
+from libkk.cache.kv_cache_manager import KVCacheManager, window_blocks_per_seq
 from libkk.errors import ConfigError
 from tests.checkpoints import save_with_word_tokenizer
 
@@ -190,9 +190,12 @@ def test_released_entries_are_the_null_block(saved) -> None:
             s.step()
         request = s.engine.scheduler.requests[rid]
         table = mgr.get_block_ids(rid)
-        first = (request.num_computed_tokens - WINDOW + 1) // BS  # the window's first block
-        assert len(table) == -(-request.num_computed_tokens // BS) or len(table) > first
-        assert table[: first - 1] == [0] * (first - 1) and 0 not in table[first:]
+        # The last step computed one token from `start`; its window began at start - 7.
+        start = request.num_computed_tokens - 1
+        first = (start - WINDOW + 1) // BS
+        assert len(table) == -(-request.num_computed_tokens // BS)
+        assert first > 5 and table[:first] == [0] * first and 0 not in table[first:]
+        assert mgr.num_held_blocks(rid) == len(table) - first <= DECODE_BOUND
         while s.has_unfinished_requests():
             s.step()
 
@@ -274,3 +277,32 @@ def test_hybrid_model_keeps_every_block_and_stays_exact(saved) -> None:
     ) as s:
         got, _ = _run_watching(s, PROMPTS)
         assert got == want and s.stats()["num_preemptions"] > 0
+
+
+def test_window_hit_from_the_host_tier(saved) -> None:
+    """With a host tier the lookup restores from the first block on, then keeps the window."""
+    path, greedy = saved("mistral")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with Session(
+        str(path),
+        block_size=BS,
+        max_model_len=256,
+        num_gpu_blocks=30,
+        max_num_batched_tokens=32,
+        kv_offload_bytes=1 << 20,
+    ) as s:
+        first = s.generate(PROMPTS[0], params)
+        for i in range(3):  # push every block of the first request out to the host tier
+            s.generate([(5 * j + i) % 256 for j in range(60)], params)
+        cont = PROMPTS[0] + list(first.token_ids)[:20] + [9, 9, 9]
+        rid = s.submit(cont, params)
+        s.step()
+        mgr = s.engine.kv_cache_manager
+        assert mgr.num_held_blocks(rid) <= window_blocks_per_seq(WINDOW, BS, 32)
+        assert mgr.get_block_ids(rid)[0] == 0
+        last = {}
+        while s.has_unfinished_requests():
+            last.update((o.request_id, o) for o in s.step())
+        out = last[rid]
+        assert list(out.token_ids) == greedy(cont, 24) and out.num_cached_tokens == 60
+        assert s.stats()["offload_blocks_restored"] >= 2
