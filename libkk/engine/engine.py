@@ -42,7 +42,6 @@ from libkk.engine.speculation import build_speculation
 from libkk.errors import (
     ConfigError,
     InvalidRequestError,
-    StructuredOutputError,
     UnknownRequestError,
 )
 from libkk.layers.attention import kv_window
@@ -247,8 +246,6 @@ class Engine:
         arrival_time: float,
     ) -> Request:
         """Tokenizes and validates a request; touches no engine state (safe off the lock)."""
-        if isinstance(params, SamplingParams) and params.structured is not None:
-            self._check_structured()
         return make_request(
             request_id,
             prompt,
@@ -259,20 +256,6 @@ class Engine:
             max_model_len=self.max_model_len,
             grammars=self.grammars,
         )
-
-    def _check_structured(self) -> None:
-        """Refuses structured output where this engine cannot constrain it yet."""
-        if self.config.speculative.method is not None:
-            raise StructuredOutputError(
-                "SamplingParams.structured does not work with speculative decoding "
-                f"(speculative.method={self.config.speculative.method!r}): expected a session "
-                "without speculation"
-            )
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise StructuredOutputError(
-                "SamplingParams.structured does not work with tensor parallelism yet "
-                f"(tensor_parallel_size={self.config.parallel.tensor_parallel_size}): expected 1"
-            )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:

@@ -86,6 +86,9 @@ class Request:
         # one-hot drafts).
         self.spec_token_ids: list[int] = []
         self.draft_logits: torch.Tensor | None = None
+        # Structured output: [n, W] int32, row k the grammar's mask after spec_token_ids[:k + 1]
+        # (verification row k + 1; row 0's is the sampling row's). None: no grammar or no drafts.
+        self.draft_grammar_masks: torch.Tensor | None = None
         self.num_cached_tokens = 0  # prefix-cache hit of the first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -219,6 +222,33 @@ class Request:
     def clear_drafts(self) -> None:
         self.spec_token_ids = []
         self.draft_logits = None
+        self.draft_grammar_masks = None
+
+    def constrain_drafts(self) -> None:
+        """Cuts the drafts at the first one the grammar forbids (it is never verified) and keeps
+        the masks of the verification rows after the kept ones. The grammar itself stays at the
+        output tokens: drafts are never left consumed, so a rejected suffix needs no rollback
+        (the accepted drafts are consumed as they are appended)."""
+        if self.grammar is None or not self.spec_token_ids:
+            return
+        masks = self.grammar.draft_masks(self.spec_token_ids)  # [n + 1, W]
+        n = masks.shape[0] - 1
+        if n == 0:
+            self.clear_drafts()
+            return
+        if n < len(self.spec_token_ids):
+            self.spec_token_ids = self.spec_token_ids[:n]
+            if self.draft_logits is not None:
+                self.draft_logits = self.draft_logits[:n]
+        self.draft_grammar_masks = masks[1:]
+
+    def verified_grammar_masks(self) -> torch.Tensor | None:
+        """The masks of the verification rows after the drafts as they are now (a trim since
+        `constrain_drafts` keeps a prefix of them).  # [len(spec_token_ids), W] or None"""
+        masks = self.draft_grammar_masks
+        if masks is None or not self.spec_token_ids:
+            return None
+        return masks[: len(self.spec_token_ids)]
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drops output tokens past the first num_output_tokens (tokens after a stop string that

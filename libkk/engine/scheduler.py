@@ -233,6 +233,7 @@ class Scheduler:
             sampling=sampling,
             spec_token_ids=list(spec),
             draft_logits=request.draft_logits,
+            draft_grammar_masks=request.verified_grammar_masks(),
             last_token_in_flight=num_in_flight == 1,
         )
 

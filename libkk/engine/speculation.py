@@ -261,7 +261,7 @@ class Speculation:
                 # The live token list, not a copy (O(length) per request and step): proposers
                 # read it during the call only.
                 ask = ProposeRequest(
-                    request.request_id, request.all_token_ids, request.sampling_row(), max_drafts
+                    request.request_id, request.all_token_ids, _drafting_row(request), max_drafts
                 )
                 asks.append((request, ask))
         if asks:
@@ -278,6 +278,7 @@ class Speculation:
                 continue
             request.spec_token_ids = drafts
             request.draft_logits = None if logits is None else logits[: len(drafts)]
+            request.constrain_drafts()  # structured output: cut where the grammar refuses
         if self.adaptive is not None:
             self.adaptive.trim([request for request, _ in asks])
 
@@ -309,6 +310,17 @@ class Speculation:
             "spec_num_verify_steps": rows,
             "spec_mean_acceptance_length": (scheduler.num_verified_emitted / rows if rows else 0.0),
         }
+
+
+def _drafting_row(request: Request) -> SamplingRow:
+    """The row a proposer drafts with: the request's, without its grammar mask. Drafters draw
+    without the grammar on every rank (a tensor-parallel worker has no matcher to advance along
+    the drafts), so that verification knows each draft's law: q, restricted to the tokens the
+    grammar allows once `Request.constrain_drafts` has cut the drafts it forbids."""
+    row = request.sampling_row()
+    if row.grammar_mask is None:
+        return row
+    return dataclasses.replace(row, grammar_mask=None)
 
 
 class NoSpeculation(Speculation):

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from libkk.runtime.io import ScheduledRequest, SchedulerOutput
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
@@ -38,10 +40,12 @@ class StepMessage:
     kind: str
     preempted_request_ids: list[str]
     # Per request: (request_id, token_ids, num_computed_tokens, keep_blocks, new_block_ids,
-    # row, spec_token_ids, draft_logits, last_token_in_flight). keep_blocks < 0: new_block_ids is
-    # the whole table. row: None (no sampling) or (static, position, keep_outputs, new_outputs,
-    # banned_token_ids); static is None when unchanged, else (params, seed, prompt_token_ids), and
-    # keep_outputs < 0 means new_outputs are all of them.
+    # row, spec_token_ids, draft_logits, last_token_in_flight, grammar_masks). keep_blocks < 0:
+    # new_block_ids is the whole table. row: None (no sampling) or (static, position,
+    # keep_outputs, new_outputs, banned_token_ids); static is None when unchanged, else (params,
+    # seed, prompt_token_ids), and keep_outputs < 0 means new_outputs are all of them.
+    # grammar_masks: None, or the row's grammar_mask and the draft_grammar_masks, sent whole (only
+    # rank 0 runs the grammars; every rank applies the same masks).
     requests: list[tuple]
 
 
@@ -84,11 +88,20 @@ class StepEncoder:
                 row_entry = (static, row.position, keep, tail, tuple(row.banned_token_ids))
             entries.append(
                 (r.request_id, r.token_ids, r.num_computed_tokens, keep_blocks, new_blocks,
-                 row_entry, r.spec_token_ids, r.draft_logits, r.last_token_in_flight)
+                 row_entry, r.spec_token_ids, r.draft_logits, r.last_token_in_flight,
+                 _grammar_masks(r))
             )  # fmt: skip
             sent[r.request_id] = _Sent(blocks, len(blocks), row, num_outputs)
         self._sent = sent
         return StepMessage(sched_out.kind, list(sched_out.preempted_request_ids), entries)
+
+
+def _grammar_masks(r: ScheduledRequest) -> tuple[Tensor | None, Tensor | None] | None:
+    """A request's grammar masks as sent (None: unconstrained)."""
+    mask = None if r.sampling is None else r.sampling.grammar_mask
+    if mask is None and r.draft_grammar_masks is None:
+        return None
+    return mask, r.draft_grammar_masks
 
 
 @dataclass
@@ -110,7 +123,7 @@ class StepDecoder:
         held: dict[str, _Held] = {}
         requests = []
         for (rid, token_ids, num_computed, keep_blocks, new_blocks, row_entry, spec_ids,
-             draft_logits, in_flight) in message.requests:  # fmt: skip
+             draft_logits, in_flight, grammar_masks) in message.requests:  # fmt: skip
             last = self._held.get(rid)
             if keep_blocks < 0:
                 blocks = new_blocks
@@ -140,6 +153,7 @@ class StepDecoder:
                     prompt_token_ids=prompt,
                     output_token_ids=outputs,
                     banned_token_ids=banned,
+                    grammar_mask=None if grammar_masks is None else grammar_masks[0],
                 )
             held[rid] = state
             requests.append(
@@ -151,6 +165,7 @@ class StepDecoder:
                     sampling=sampling,
                     spec_token_ids=spec_ids,
                     draft_logits=draft_logits,
+                    draft_grammar_masks=None if grammar_masks is None else grammar_masks[1],
                     last_token_in_flight=in_flight,
                 )
             )

@@ -34,6 +34,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     # [n, vocab] fp32 raw draft logits (before temperature), or None for one-hot drafts.
     draft_logits: torch.Tensor | None = None
+    # Structured output: [n, W] int32 masks of the rows after the drafts (row k: the grammar's
+    # mask after spec_token_ids[:k + 1]; the first row's is sampling.grammar_mask), or None.
+    draft_grammar_masks: torch.Tensor | None = field(default=None, compare=False)
     # Async scheduling: the last of token_ids is PLACEHOLDER_TOKEN_ID, the token the previous
     # launched step samples for this request; the runner gathers it from that step's device ids.
     last_token_in_flight: bool = False

@@ -1,9 +1,13 @@
 """Verification of drafts: the target's 1 + n rows per request -> accepted drafts + one token.
 
 Each row k is processed as the plain sampler would process it had d_0 .. d_{k-1} been accepted
-(libkk/spec_decode/logits.py: penalties, bans, temperature, top-k/top-p/min-p), so random rows pass
-temperature 1 to `rejection_sample` with the processed logits, and greedy rows temperature 0 with
-their penalized logits. q comes from the raw draft logits through the same processing.
+(libkk/spec_decode/logits.py: grammar mask, penalties, bans, temperature, top-k/top-p/min-p), so
+random rows pass temperature 1 to `rejection_sample` with the processed logits, and greedy rows
+temperature 0 with their penalized logits. q comes from the raw draft logits through the same
+processing; under a grammar, q is masked after it (drafters draw without the grammar, and the
+engine cuts the drafts at the first one it forbids: a verified draft's law is q restricted to the
+allowed tokens). Row k's mask is the grammar's after d_0 .. d_{k-1}
+(`ScheduledRequest.draft_grammar_masks`).
 
 `verify_from_shards` is the same verification from this rank's vocab shard of the target logits
 under tensor parallelism (libkk/spec_decode/vocab_parallel.py), for steps whose rows need no processing
@@ -36,7 +40,13 @@ from libkk.sample.rejection import (
     accepted_prefix,
     rejection_sample,
 )
-from libkk.sample.sampler import LogprobTensors, SamplingRow, TokenLogprobs, logprob_tensors
+from libkk.sample.sampler import (
+    LogprobTensors,
+    SamplingRow,
+    TokenLogprobs,
+    apply_grammar_masks,
+    logprob_tensors,
+)
 from libkk.spec_decode.logits import position_rows, process_logits
 from libkk.spec_decode.vocab_parallel import (
     Gather,
@@ -67,7 +77,14 @@ def verify(
         processed = _concat_rows(logits)  # [sum(1 + n), V]
     else:
         for r in requests:
-            rows.append(position_rows(r.sampling, r.spec_token_ids, r.num_spec_tokens + 1))  # type: ignore[arg-type]
+            rows.append(
+                position_rows(
+                    r.sampling,  # type: ignore[arg-type]
+                    r.spec_token_ids,
+                    r.num_spec_tokens + 1,
+                    r.draft_grammar_masks,
+                )
+            )
         flat_rows = [row for per in rows for row in per]
         processed = process_logits(_concat_rows(logits), flat_rows)  # [sum(1 + n), V]
 
@@ -279,7 +296,18 @@ def _draft_probs(
             q[i, :n].scatter_(1, drafts[i, :n, None], 1.0)
             continue
         raw = r.draft_logits[:n].to(device)  # [n, V]
-        q[i, :n] = process_logits(raw, rows[i][:n]).softmax(dim=-1)
+        draft_rows = rows[i][:n]
+        constrained = [j for j, row in enumerate(draft_rows) if row.grammar_mask is not None]
+        if not constrained:
+            q[i, :n] = process_logits(raw, draft_rows).softmax(dim=-1)
+            continue
+        # NOTE: drafters draw without the grammar and drafts it forbids were cut, so a verified
+        # draft's law is q restricted to the allowed tokens: the grammar masks the processed
+        # draft logits (after filters, unlike the target's), then the softmax renormalizes.
+        unmasked = [dataclasses.replace(row, grammar_mask=None) for row in draft_rows]
+        x = process_logits(raw, unmasked)
+        apply_grammar_masks(x, draft_rows, constrained)
+        q[i, :n] = x.softmax(dim=-1)
     return q
 
 

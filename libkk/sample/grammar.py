@@ -178,6 +178,31 @@ class GrammarMatcher:
         self.num_consumed += 1
         return bool(self._matcher.consume_token(token_id))
 
+    def draft_masks(self, drafts: Sequence[int]) -> Tensor:
+        """The masks of a verification along `drafts`.  # [n + 1, ceil(vocab / 32)] int32
+
+        n is the longest prefix of `drafts` the grammar allows (a draft past it is cut: it is
+        never verified); row k is the mask after drafts[:k] (row 0 = `next_mask()`). The matcher
+        is advanced along the kept drafts and rolled back: it is left where it was. A draft is
+        checked against the mask before it is consumed, since a refused token would leave the
+        matcher in error for good (rollback does not clear it)."""
+        first = self.next_mask()
+        masks = [first]
+        n = 0
+        for token in drafts:
+            if not allows(masks[-1], token):
+                break
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(f"llguidance refused token {token}, which its mask allowed")
+            n += 1
+            mask = torch.zeros_like(first)
+            self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+            masks.append(mask)
+        if n:
+            self._matcher.rollback(n)
+        self._mask = first
+        return torch.stack(masks)
+
     def rollback(self, num_tokens: int) -> None:
         """Forgets the last `num_tokens` consumed tokens."""
         if num_tokens > 0:
@@ -194,6 +219,13 @@ class GrammarMatcher:
         if not self._matcher.is_error():
             return None
         return _error_text(self._matcher.get_error())
+
+
+def allows(mask: Tensor, token_id: int) -> bool:
+    """Whether a bitmask row [W] allows a token (ids past 32 * W are disallowed)."""
+    if not 0 <= token_id < 32 * mask.shape[0]:
+        return False
+    return bool((int(mask[token_id >> 5]) >> (token_id & 31)) & 1)
 
 
 def _error_text(message: str) -> str:

@@ -17,13 +17,25 @@ import torch
 from torch import Tensor
 
 from libkk.sample.gumbel import DRAFT_POSITION_SALT
-from libkk.sample.sampler import SamplingRow, apply_filters, apply_penalties
+from libkk.sample.sampler import (
+    SamplingRow,
+    apply_filters,
+    apply_grammar_masks,
+    apply_penalties,
+)
 
 
-def position_rows(row: SamplingRow, drafts: Sequence[int], num_rows: int) -> list[SamplingRow]:
+def position_rows(
+    row: SamplingRow,
+    drafts: Sequence[int],
+    num_rows: int,
+    grammar_masks: Tensor | None = None,
+) -> list[SamplingRow]:
     """Rows for positions row.position + k, k < num_rows, as if drafts[:k] were accepted.
 
     `row` is the row of the first draft position (its output tokens end with the anchor).
+    grammar_masks: [>= num_rows - 1, W], row k - 1 the grammar mask of row k (structured output;
+    row 0's is row.grammar_mask); None: rows after the first are unconstrained.
     """
     if num_rows > len(drafts) + 1:
         raise ValueError(f"{num_rows} rows need at least {num_rows - 1} drafts, got {len(drafts)}")
@@ -40,6 +52,7 @@ def position_rows(row: SamplingRow, drafts: Sequence[int], num_rows: int) -> lis
                 prompt_token_ids=row.prompt_token_ids,
                 output_token_ids=[*row.output_token_ids, *drafts[:k]],
                 banned_token_ids=banned,
+                grammar_mask=None if grammar_masks is None else grammar_masks[k - 1],
             )
         )
     return rows
@@ -48,11 +61,16 @@ def position_rows(row: SamplingRow, drafts: Sequence[int], num_rows: int) -> lis
 def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """The logits each row samples from.  # [R, V] fp32, a new tensor
 
-    Every row: banned ids and penalties. Random rows then: temperature, top-k, top-p, min-p (the
-    softmax of the result is the sampling distribution; dropped tokens are -inf). Greedy rows keep
-    their penalized logits (their argmax is the token).
+    Every row: the tokens its grammar disallows (structured output), banned ids and penalties, in
+    the sampler's order. Random rows then: temperature, top-k, top-p, min-p (the softmax of the
+    result is the sampling distribution; dropped tokens are -inf). Greedy rows keep their
+    penalized logits (their argmax is the token).
     """
-    x = apply_penalties(logits.float().clone(), rows, inplace=True)  # [R, V]
+    x = logits.float().clone()  # [R, V]
+    constrained = [i for i, r in enumerate(rows) if r.grammar_mask is not None]
+    if constrained:
+        apply_grammar_masks(x, rows, constrained)
+    x = apply_penalties(x, rows, inplace=True)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) == len(rows):
         apply_filters(x, [r.params for r in rows])
