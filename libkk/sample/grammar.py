@@ -182,7 +182,8 @@ class GrammarMatcher:
         """The masks of a verification along `drafts`.  # [n + 1, ceil(vocab / 32)] int32
 
         n is the longest prefix of `drafts` the grammar allows (a draft past it is cut: it is
-        never verified); row k is the mask after drafts[:k] (row 0 = `next_mask()`). The matcher
+        never verified, nor is one after a draft that completes the grammar); row k is the mask
+        after drafts[:k] (row 0 = `next_mask()`). The matcher
         is advanced along the kept drafts and rolled back: it is left where it was. A draft is
         checked against the mask before it is consumed, since a refused token would leave the
         matcher in error for good (rollback does not clear it)."""
@@ -198,6 +199,10 @@ class GrammarMatcher:
             mask = torch.zeros_like(first)
             self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
             masks.append(mask)
+            if self._matcher.is_stopped():
+                # Complete (the output ends here): later drafts would be EOS, which llguidance
+                # takes while stopped without counting it for rollback.
+                break
         if n:
             self._matcher.rollback(n)
         self._mask = first

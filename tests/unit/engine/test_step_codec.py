@@ -89,3 +89,27 @@ def test_a_running_batch_message_is_a_fraction_of_the_whole_step():
             r.outputs.append(step)
         message, whole = _send(encoder, decoder, [r.scheduled() for r in requests])
     assert len(pickle.dumps(message)) * 10 < len(pickle.dumps(whole))
+
+
+def test_grammar_masks_reach_the_workers():
+    """Structured output: the sampling row's mask and the masks of the rows after the drafts go
+    with every step (only rank 0 runs the grammars); unconstrained requests send none."""
+    import torch
+
+    encoder, decoder = StepEncoder(), StepDecoder()
+    params = SamplingParams(temperature=1.0, seed=1)
+    first = torch.tensor([5, -1], dtype=torch.int32)
+    after = torch.tensor([[3, 0], [0, 9]], dtype=torch.int32)
+    outputs: list[int] = []
+    row = SamplingRow(params, 3, 4, [1, 2, 3], outputs, (), first)
+    constrained = ScheduledRequest("c", [5, 9, 8], 3, [1], row, [9, 8], draft_grammar_masks=after)
+    plain = ScheduledRequest("p", [5], 2, [2], SamplingRow(params, 4, 3, [1, 2], [], ()))
+    for _ in range(2):  # new, then running (sent as deltas): the masks go each time
+        step = SchedulerOutput([constrained, plain], [], kind=DECODE_STEP)
+        message = pickle.loads(pickle.dumps(encoder.encode(step)))
+        c, p = decoder.decode(message).requests
+        assert torch.equal(c.sampling.grammar_mask, first)
+        assert torch.equal(c.draft_grammar_masks, after)
+        assert p.sampling.grammar_mask is None and p.draft_grammar_masks is None
+        assert message.requests[1][-1] is None
+        outputs.append(7)
