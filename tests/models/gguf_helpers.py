@@ -121,6 +121,7 @@ def write_model_gguf(
     fallback: Q = Q.Q8_0,
     per_expert: bool = False,
     expert_type: Q | None = None,
+    expert_types: dict[str, Q] | None = None,
     fused_gate_up: bool = False,
     split_qkv: bool = False,
     tokenizer_pre: str | None = None,
@@ -129,7 +130,7 @@ def write_model_gguf(
     """Writes `model` (a transformers Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/Mixtral/Phi-3/Gemma 3/
     gpt-oss) as llama.cpp's convert_hf_to_gguf.py lays it out; matrices in `qtype` (`fallback`
     where a row does not fill whole blocks, as llama.cpp does; gpt-oss experts in `expert_type`
-    if given), norms, biases, sinks and routers in F32. Returns the model's state dict with every
+    if given, or `expert_types[name]` for the GGUF tensor `name`), norms, biases, sinks and routers in F32. Returns the model's state dict with every
     weight replaced by exactly what the GGUF holds, in HF layout (q/k un-permuted, Gemma's norms
     less the one llama.cpp adds, gpt-oss gate/up interleaved again). `per_expert`: one tensor per
     expert (`blk.{i}.ffn_gate.{e}.weight`, older llama.cpp Mixtral exports) instead of stacked
@@ -253,9 +254,12 @@ def write_model_gguf(
         return add(name, value + np.float32(1.0), False) - np.float32(1.0)
 
     def add_gpt_oss_experts(blk: str, rest: str, value: np.ndarray) -> np.ndarray:
-        t = expert_type
+        def t(name: str) -> Q | None:
+            return (expert_types or {}).get(name, expert_type)
+
         if rest == "mlp.experts.down_proj":  # [E, I, H] (x @ W) -> [E, H, I]
-            got = add(f"{blk}ffn_down_exps.weight", value.transpose(0, 2, 1).copy(), True, 0, t)
+            name = f"{blk}ffn_down_exps.weight"
+            got = add(name, value.transpose(0, 2, 1).copy(), True, 0, t(name))
             return got.transpose(0, 2, 1)
         if rest == "mlp.experts.down_proj_bias":
             return add(f"{blk}ffn_down_exps.bias", value, False)
@@ -264,13 +268,14 @@ def write_model_gguf(
         gate, up = rows[:, 0::2], rows[:, 1::2]
         part = "bias" if bias else "weight"
         if fused_gate_up:
-            got = add(
-                f"{blk}ffn_gate_up_exps.{part}", np.concatenate([gate, up], axis=1), not bias, 0, t
-            )
+            name = f"{blk}ffn_gate_up_exps.{part}"
+            got = add(name, np.concatenate([gate, up], axis=1), not bias, 0, t(name))
             gate, up = np.split(got, 2, axis=1)
         else:
-            gate = add(f"{blk}ffn_gate_exps.{part}", np.ascontiguousarray(gate), not bias, 0, t)
-            up = add(f"{blk}ffn_up_exps.{part}", np.ascontiguousarray(up), not bias, 0, t)
+            name = f"{blk}ffn_gate_exps.{part}"
+            gate = add(name, np.ascontiguousarray(gate), not bias, 0, t(name))
+            name = f"{blk}ffn_up_exps.{part}"
+            up = add(name, np.ascontiguousarray(up), not bias, 0, t(name))
         out = np.stack([gate, up], axis=2).reshape(rows.shape)
         return out if bias else out.transpose(0, 2, 1)
 

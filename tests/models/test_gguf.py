@@ -786,8 +786,13 @@ def test_family_matches_transformers_gguf_loader(family: str, tmp_path: Path) ->
 @torch.no_grad()
 def test_gpt_oss_mxfp4_experts(fused: bool, tmp_path: Path, _one_thread: None) -> None:
     """gpt-oss experts in MXFP4 as llama.cpp stores them (gate and up split, or fused with
-    gate rows first), the rest in Q8_0: converted to transformers' interleaved float layout,
-    the model runs as transformers does on the dequantized weights."""
+    gate rows first), the rest in Q8_0: written packed as per-expert MXFP4 parts, the model runs
+    as transformers does on the dequantized weights, and gives exactly the logits of the float
+    conversion of the same GGUF (keep_mxfp4=False: transformers' interleaved float layout)."""
+    from paged_helpers import PagedKV
+
+    from libkk.models.loader import load_model
+
     model = tiny_hf_model("gpt_oss")
     original = {k: v.clone() for k, v in model.state_dict().items()}
     src = tmp_path / "gpt-oss.gguf"
@@ -798,13 +803,124 @@ def test_gpt_oss_mxfp4_experts(fused: bool, tmp_path: Path, _one_thread: None) -
     stacked = "blk.0.ffn_gate_up_exps.weight" if fused else "blk.0.ffn_gate_exps.weight"
     assert types[stacked] == Q.MXFP4 and types["blk.1.ffn_down_exps.weight"] == Q.MXFP4
     assert ("blk.0.ffn_up_exps.weight" in types) is not fused
-    _check_family_parity(model, original, expected, src, tmp_path / "hf", Q.MXFP4, "gpt_oss")
-    got = load_file(tmp_path / "hf" / "model.safetensors")
+    packed, floats = tmp_path / "hf", tmp_path / "float"
+    _check_family_parity(model, original, expected, src, packed, Q.MXFP4, "gpt_oss")
+    _check_packed_experts(src, packed, fused)
+
+    convert_gguf(src, floats, progress=False, keep_mxfp4=False)
+    assert "quantization_config" not in json.loads((floats / "config.json").read_text())
+    got = load_file(floats / "model.safetensors")
     assert got["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 512)
-    np.testing.assert_array_equal(
-        got["model.layers.1.mlp.experts.gate_up_proj_bias"],
-        expected["model.layers.1.mlp.experts.gate_up_proj_bias"].numpy(),
-    )
+    for name in ("gate_up_proj_bias", "down_proj_bias"):  # biases: float in both folders
+        np.testing.assert_array_equal(
+            load_file(packed / "model.safetensors")[f"model.layers.1.mlp.experts.{name}"],
+            got[f"model.layers.1.mlp.experts.{name}"],
+        )
+    stacked = ("experts.gate_up_proj", "experts.down_proj")
+    expert_floats = sum(v.nbytes for k, v in got.items() if k.endswith(stacked))
+    size = (packed / "model.safetensors").stat().st_size
+    assert size < (floats / "model.safetensors").stat().st_size - 0.85 * expert_floats
+    runs = [
+        PagedKV(
+            load_model(folder, torch.float32, torch.device("cpu"), progress=False)[0], block_size=4
+        )
+        for folder in (packed, floats)
+    ]
+    for a, b in zip(*(run.prefill_logits(GGUF_PROMPTS) for run in runs), strict=True):
+        assert torch.equal(a, b)
+
+
+def _check_packed_experts(src: Path, out: Path, fused: bool) -> None:
+    """The folder holds uint8 per-expert MXFP4 parts at 4.25 bits per weight, says mxfp4, and
+    each part dequantizes to exactly gguf-py's dequantization of its GGUF tensor."""
+    from libkk.quant.formats import dequantize_mxfp4
+
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "mxfp4"
+    }
+    tensors = load_file(out / "model.safetensors")
+    assert not [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    parts = {k: v for k, v in tensors.items() if ".experts." in k and "_proj.weight" in k}
+    experts, inter = 4, 256
+    assert len(parts) == LAYERS * experts * 3 * 2
+    assert {v.dtype for v in parts.values()} == {np.dtype(np.uint8)}
+    bits = 8 * sum(v.nbytes for v in parts.values())
+    assert bits / (LAYERS * experts * 3 * inter * HIDDEN) == 4.25
+
+    gguf_tensors = {t.name: t for t in gguf.GGUFReader(src).tensors}
+
+    def reference(name: str) -> torch.Tensor:
+        t = gguf_tensors[name]
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
+
+    for layer in range(LAYERS):
+        blk, prefix = f"blk.{layer}.", f"model.layers.{layer}.mlp.experts."
+        want = {"down_proj": reference(f"{blk}ffn_down_exps.weight")}  # [E, rows, K]
+        if fused:
+            want["gate_proj"], want["up_proj"] = reference(f"{blk}ffn_gate_up_exps.weight").chunk(
+                2, dim=1
+            )
+        else:
+            want["gate_proj"] = reference(f"{blk}ffn_gate_exps.weight")
+            want["up_proj"] = reference(f"{blk}ffn_up_exps.weight")
+        for proj, values in want.items():
+            for e in range(experts):
+                weight = torch.from_numpy(parts[f"{prefix}{e}.{proj}.weight"])
+                scale = torch.from_numpy(parts[f"{prefix}{e}.{proj}.weight_scale"])
+                got = dequantize_mxfp4(weight, scale)
+                assert torch.equal(got, values[e]), (layer, proj, e)
+
+
+def test_mxfp4_repack_matches_gguf_dequantizer() -> None:
+    """Random ggml MXFP4 blocks (every code, scale bytes 0..254) repacked into libkk's layout
+    dequantize to exactly what gguf-py makes of them: same codes, same order, same scale."""
+    from libkk.models.gguf.mxfp4 import repack_blocks
+    from libkk.quant.formats import dequantize_mxfp4
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(255, 3, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(255, dtype=np.uint8)[:, None]  # every scale byte but 0xFF
+    weight, scale = repack_blocks(raw.reshape(255, -1))
+    assert weight.shape == (255, 48) and scale.shape == (255, 3)
+    got = dequantize_mxfp4(torch.from_numpy(weight), torch.from_numpy(scale))
+    with np.errstate(over="ignore"):  # the largest values of bytes 253, 254 overflow in both
+        want = dequantize(raw.reshape(255, -1), Q.MXFP4).astype(np.float32)
+    assert torch.equal(got, torch.from_numpy(want))
+    assert (want[0] != 0).any() and np.isfinite(want[:253]).all()
+
+
+def test_gpt_oss_mixed_expert_types_fall_back_to_float(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Experts partly MXFP4 (one layer's down in Q8_0): all of them written as float, as the
+    float conversion does, and a log line says why."""
+    src = tmp_path / "mixed.gguf"
+    write_model_gguf(tiny_hf_model("gpt_oss"), src, Q.Q8_0, tokens=TOKENS, token_types=TYPES,
+                     merges=MERGES, tokenizer_pre="gpt-4o", expert_type=Q.MXFP4,
+                     expert_types={"blk.1.ffn_down_exps.weight": Q.Q8_0})  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="libkk")
+    convert_gguf(src, tmp_path / "hf", progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "partly MXFP4 and partly Q8_0" in warnings[0], warnings
+    convert_gguf(src, tmp_path / "float", progress=False, keep_mxfp4=False)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "float" / name).read_bytes()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the float path's 2^127 * 6
+def test_mxfp4_scale_0xff_is_refused(tmp_path: Path) -> None:
+    """ggml reads an E8M0 byte 0xFF as 2^127, libkk's MXFP4 as NaN: refused, not changed."""
+    src = tmp_path / "oss.gguf"
+    write_model_gguf(tiny_hf_model("gpt_oss"), src, Q.Q8_0, tokens=TOKENS, token_types=TYPES,
+                     merges=MERGES, tokenizer_pre="gpt-4o", expert_type=Q.MXFP4)  # fmt: skip
+    reader = gguf.GGUFReader(src, "r+")
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    down.data[2, 5, 17] = 0xFF  # expert 2, row 5, second block's scale byte
+    down.data.flush()
+    del reader, down
+    with pytest.raises(UnsupportedModelError, match=r"blk.1.ffn_down_exps.weight.*expert 2.*0xFF"):
+        convert_gguf(src, tmp_path / "hf", progress=False)
+    convert_gguf(src, tmp_path / "float", progress=False, keep_mxfp4=False)
 
 
 @torch.no_grad()

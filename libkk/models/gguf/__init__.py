@@ -6,6 +6,12 @@ renamed from llama.cpp's names to Hugging Face's, and written as one `model.safe
 `config.json`, a `tokenizer.json` rebuilt from the GGUF metadata, a `tokenizer_config.json` and a
 `generation_config.json`. The rest of libkk then only ever reads HF-layout folders.
 
+The exception: gpt-oss experts stored in MXFP4 (all of them) are not dequantized but repacked
+into libkk's per-expert MXFP4 parts (`experts.<e>.<gate|up|down>_proj.weight` uint8 [rows, K/2]
+and `.weight_scale` uint8 [rows, K/32], 4.25 bits a weight) with `quantization_config` mxfp4, so
+they reach the packed kernels on CUDA as the released checkpoint's do (`mxfp4.py`). A file whose
+experts are only partly MXFP4 is written all float, with a warning.
+
 Architectures: see `arch.py` (llama incl. Mistral and Mixtral-style experts, qwen2, qwen3,
 qwen3moe, phi3, gemma3, gpt-oss); a tensor that llama.cpp fused, split, stacked or shifted on
 export is put back in the layout the HF checkpoint has. Tokenizers: see `tokenizer.py`
@@ -40,6 +46,7 @@ from libkk.models.gguf.arch import (
     unpermute_qk,
 )
 from libkk.models.gguf.metadata import Metadata
+from libkk.models.gguf.mxfp4 import packed_expert_plan
 from libkk.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, build_tokenizer
 
 __all__ = [
@@ -52,13 +59,19 @@ __all__ = [
 
 # NOTE: bump whenever the folder written for the same GGUF changes; cached conversions keyed on it
 # are then redone instead of being trusted.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 
 def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], progress: bool = True
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    progress: bool = True,
+    keep_mxfp4: bool = True,
 ) -> None:
     """Convert a GGUF into an HF-layout folder (float32 safetensors + tokenizer files).
+
+    `keep_mxfp4`: gpt-oss experts stored in MXFP4 are written packed (per-expert MXFP4 parts,
+    `quantization_config` mxfp4); False dequantizes them to float32 like every other tensor.
 
     Raises ModelNotFoundError (no such file), CorruptCheckpointError (truncated or unreadable file,
     missing metadata or tensors, wrong shapes) and UnsupportedModelError (architecture, tokenizer,
@@ -81,6 +94,10 @@ def convert_gguf(
     arch, family = resolve_family(meta)
     config = build_config(meta, reader, arch, family)
     plan = tensor_plan(reader, config, family, path)
+    packed = packed_expert_plan(plan, config, path) if keep_mxfp4 else None
+    if packed is not None:
+        plan = packed
+        config = config | {"quantization_config": {"quant_method": "mxfp4"}}
     _check_quant_types(plan, path)
     tokenizer, tokenizer_config, generation_config = build_tokenizer(meta, config)
 
@@ -114,7 +131,8 @@ def _dequantizable(qtype: Any) -> bool:
 
 
 def _check_quant_types(plan: Sequence[TensorPlan], path: Path) -> None:
-    for tensor in (t for item in plan for t in (item.source, *item.more)):
+    dequantized = (item for item in plan if item.raw is None)
+    for tensor in (t for item in dequantized for t in (item.source, *item.more)):
         try:
             ok = _dequantizable(tensor.tensor_type)
         except ImportError:  # gguf without `_type_traits`: the loader reports it per tensor
@@ -155,6 +173,8 @@ class _TensorLoader:
         return data
 
     def __call__(self, item: TensorPlan) -> np.ndarray:
+        if item.raw is not None:
+            return item.raw(item.source.data)
         if item.build is not None:
             sources = (item.source, *item.more)
             parts = [
@@ -177,15 +197,16 @@ def _write_safetensors(
     load: Callable[[TensorPlan], np.ndarray],
     progress: bool,
 ) -> None:
-    """Stream float32 tensors into one safetensors file; peak memory is one tensor."""
+    """Stream tensors (float32, or uint8 packed parts) into one safetensors file; peak memory is
+    one tensor."""
     from tqdm import tqdm
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in plan:
-        nbytes = 4 * math.prod(item.shape)
+        nbytes = _DTYPES[item.dtype].itemsize * math.prod(item.shape)
         header[item.hf_name] = {
-            "dtype": "F32",
+            "dtype": item.dtype,
             "shape": list(item.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -204,10 +225,18 @@ def _write_safetensors(
             leave=False,
         )
         for item in bar:
-            data = np.ascontiguousarray(load(item), dtype="<f4")
+            data = np.ascontiguousarray(load(item), dtype=_DTYPES[item.dtype])
+            if data.shape != item.shape:  # the header already promised this many bytes
+                raise CorruptCheckpointError(
+                    f"GGUF tensor {item.source.name!r} gave {item.hf_name} of shape "
+                    f"{list(data.shape)}, expected {list(item.shape)}"
+                )
             f.write(memoryview(data).cast("B"))
         f.flush()
         os.fsync(f.fileno())
+
+
+_DTYPES = {"F32": np.dtype("<f4"), "U8": np.dtype(np.uint8)}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

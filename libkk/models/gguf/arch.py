@@ -26,10 +26,11 @@ llama.cpp's `convert_hf_to_gguf.py` exports the families libkk runs as:
 - `gpt-oss`: q/k/v/o with biases, `attn_sinks`, a biased router (`ffn_gate_inp`), experts stacked
   as `ffn_{gate,up,down}_exps` (or `ffn_gate_up_exps`, gate rows first) with biases, often in
   MXFP4. They are written in transformers' float layout (`experts.gate_up_proj` [E, H, 2I] with
-  gate/up interleaved, `down_proj` [E, I, H] and their biases). Sliding and full layers
-  alternate (llama.cpp: pattern 2); the clamped SwiGLU's limit 7.0 and alpha 1.702 are fixed in
-  llama.cpp and not stored; YaRN is written without `truncate`, which every gpt-oss checkpoint
-  sets false.
+  gate/up interleaved, `down_proj` [E, I, H] and their biases), unless all of them are MXFP4:
+  then the weights are written packed instead (`mxfp4.py`), the biases as here. Sliding and full
+  layers alternate (llama.cpp: pattern 2); the clamped SwiGLU's limit 7.0 and alpha 1.702 are
+  fixed in llama.cpp and not stored; YaRN is written without `truncate`, which every gpt-oss
+  checkpoint sets false.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class TensorPlan:
     source_shapes: tuple[tuple[int, ...], ...] = ()  # HF-layout shape of each source
     # Makes the HF tensor from the sources' dequantized values; None: `source` as it is.
     build: Callable[[list[np.ndarray]], np.ndarray] | None = None
+    dtype: str = "F32"  # safetensors dtype written
+    # Makes the tensor from `source`'s raw GGUF bytes instead (packed MXFP4 experts, mxfp4.py).
+    raw: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 def resolve_family(meta: Metadata) -> tuple[str, Family]:
