@@ -203,13 +203,6 @@ def test_preemption_keeps_outputs_valid(default_model_dir):
         assert o.token_ids == alone.token_ids
 
 
-def test_refused_with_speculation(default_model_dir):
-    with Session(str(default_model_dir), device="cpu", method="ngram", progress=False) as s:
-        with pytest.raises(StructuredOutputError, match="speculative"):
-            s.submit("Hello", SamplingParams(max_tokens=8, structured={"regex": DATE}))
-        assert s.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
-
-
 def test_async_scheduling_gives_the_same_outputs(session, default_model_dir):
     # Constrained rows wait for their previous token (reads_token_values); unconstrained rows
     # beside them run as usual.
