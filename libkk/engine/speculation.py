@@ -14,6 +14,10 @@ feeds to the estimator while the device runs the next step. Trimming only decide
 are verified, from features of the draft distributions (never of the drawn tokens), so the output
 keeps the target's distribution.
 
+Structured output: proposers draw without the grammar (`_drafting_row`), and the drafts of a
+constrained request are cut at the first token its grammar forbids, with the masks of the rows
+that verify them, as soon as they are taken (`Request.constrain_drafts`), before any trim.
+
 The step costs are profiled once at start-up (`profile_costs`): the target forward over n tokens
 of a request in the null block (verify cost vs tokens, for steps no graph runs), every captured
 decode/verification graph replayed on padding rows with its logits (verify cost per graph), and
