@@ -337,6 +337,24 @@ def _sliding_window(f: _Fields, default: int | None, max_position: int) -> int |
     return window if window < max_position else None
 
 
+def _layer_types(f: _Fields, num_layers: int, pattern: int) -> list[str]:
+    """The config's `layer_types`, checked; absent: every `pattern`-th layer full, the others
+    sliding (transformers' default for Gemma 3 and gpt-oss)."""
+    layer_types = f.get("layer_types")
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(kind not in _LAYER_TYPES for kind in layer_types)
+    ):
+        raise f._bad("layer_types", layer_types, f"{num_layers} of {', '.join(_LAYER_TYPES)}")
+    return layer_types
+
+
 # --- families --------------------------------------------------------------------------------
 
 
@@ -457,7 +475,7 @@ _GEMMA3_DEFAULTS: dict[str, Any] = dict(
     bos_token_id=2,
     eos_token_id=1,
 )
-_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")
 
 
@@ -491,7 +509,7 @@ def _gemma3(f: _Fields, architecture: str) -> ArchConfig:
     # rope_scaling), sliding layers rope_parameters["sliding_attention"] (rope_local_base_freq).
     rest = {k: v for k, v in text.items() if k not in _ROPE_KEYS}
     params = t.get("rope_parameters")
-    per_type = isinstance(params, dict) and any(k in params for k in _GEMMA3_LAYER_TYPES)
+    per_type = isinstance(params, dict) and any(k in params for k in _LAYER_TYPES)
     if per_type:
         full = params.get("full_attention") or {"rope_type": "default"}
         local = params.get("sliding_attention") or {"rope_type": "default"}
@@ -512,21 +530,8 @@ def _gemma3(f: _Fields, architecture: str) -> ArchConfig:
     local_rope = _rope(local_f, local_theta, max_position)
 
     num_layers = base["num_layers"]
-    layer_types = t.get("layer_types")
-    if layer_types is None:
-        pattern = t.int("sliding_window_pattern", 6)
-        layer_types = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        ]
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != num_layers
-        or any(kind not in _GEMMA3_LAYER_TYPES for kind in layer_types)
-    ):
-        raise t._bad(
-            "layer_types", layer_types, f"{num_layers} of {', '.join(_GEMMA3_LAYER_TYPES)}"
-        )
+    pattern = t.int("sliding_window_pattern", 6) if t.get("layer_types") is None else 1
+    layer_types = _layer_types(t, num_layers, pattern)
     scalar = t.float("query_pre_attn_scalar", 256)
     if scalar <= 0:
         raise t._bad("query_pre_attn_scalar", scalar, "a positive number")
@@ -561,19 +566,7 @@ def _gpt_oss(f: _Fields, architecture: str) -> ArchConfig:
         default_head_dim=64,
     )  # fmt: skip
     num_layers = base["num_layers"]
-    layer_types = f.get("layer_types")
-    if layer_types is None:  # GptOssConfig's default: sliding first, then alternating
-        layer_types = [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
-        ]
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != num_layers
-        or any(kind not in _GEMMA3_LAYER_TYPES for kind in layer_types)
-    ):
-        raise f._bad(
-            "layer_types", layer_types, f"{num_layers} of {', '.join(_GEMMA3_LAYER_TYPES)}"
-        )
+    layer_types = _layer_types(f, num_layers, 2)  # GptOssConfig's default: alternating
     bias = f.bool("attention_bias", True)
     limit = f.float("swiglu_limit", 7.0)
     if limit <= 0:
