@@ -140,7 +140,7 @@ def read_sampling_params(params: Cdata) -> SamplingParams:
         if "structured" in fields:
             raise Fail(
                 lib.KK_ERR_SAMPLING_PARAMS,
-                "params->structured_json and a \"structured\" key in params->sampling_json are "
+                'params->structured_json and a "structured" key in params->sampling_json are '
                 "both set: give one of them",
             )
         fields["structured"] = read_json_object(
