@@ -89,7 +89,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def _map_weight_name(self, name: str) -> tuple[str, Hashable] | None:
         for old, new in self.weight_renames:
             name = name.replace(old, new)
-        if m := _EXPERT_BIAS.match(name):
+        if (m := _EXPERT_BIAS.match(name)) and m["proj"] in self.expert_weights:
             param, part = self.expert_weights[m["proj"]]
             return f"{m['prefix']}.{param.replace('_weight', '_bias')}", (int(m["expert"]), part)
         # The parts of a 4-bit expert weight (its scales) load by expert.
