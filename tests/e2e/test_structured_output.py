@@ -19,7 +19,7 @@ from libkk import (
 )
 
 # Sampled generations per constraint (temperature 1, one seed each, one generate call).
-NUM_SAMPLES = 50
+NUM_SAMPLES = 200
 
 SCHEMA = {
     "type": "object",
