@@ -391,7 +391,7 @@ class Session:
         `tool_calls` and "tool" role results. With tools, SamplingParams.structured must be
         unset; response_format works with tool_choice "auto" only (the answer is then either
         calls or JSON in that format)."""
-        token_ids, params, tool_chat = self._prepare_chat(
+        token_ids, params, tool_chat = self.prepare_chat(
             messages, params, response_format, tools, tool_choice, template_kwargs
         )
         output = self.generate(token_ids, params)
@@ -422,13 +422,13 @@ class Session:
         otherwise; the last output carries `tool_calls` and the rest of the content. The deltas
         join to the last output's `text`."""
         _check_single(params, "stream_chat")
-        token_ids, params, tool_chat = self._prepare_chat(
+        token_ids, params, tool_chat = self.prepare_chat(
             messages, params, response_format, tools, tool_choice, template_kwargs
         )
         stream = self.stream(token_ids, params)
         return stream if tool_chat is None else tool_chat.stream(stream)
 
-    def _prepare_chat(
+    def prepare_chat(
         self,
         messages: Any,
         params: SamplingParams | None,
@@ -437,7 +437,9 @@ class Session:
         tool_choice: Any,
         template_kwargs: dict[str, Any],
     ) -> tuple[list[int], SamplingParams | None, ToolChat | None]:
-        """The prompt's token ids, the request's params and its tools (None without)."""
+        """The prompt's token ids, the request's params and its tools (None without): what
+        `chat` and `stream_chat` submit, for a caller that submits and steps itself (the
+        server). Raises a LibkkError for bad messages, tools or response_format."""
         answer_params = with_response_format(params, response_format)
         if self._chat_format is None:
             self._chat_format = chat_format_for(self.tokenizer)

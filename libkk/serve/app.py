@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libkk.api.chat_format import ChatFormat, ToolChat, chat_format_for
+from libkk.api.chat_format import ToolChat
 from libkk.api.session import Prompt, Session, with_response_format
 from libkk.engine.outputs import RequestOutput
 from libkk.errors import LibkkError
@@ -158,7 +158,6 @@ class _Server:
         self.draining = False
         # Rendering, tokenizing and submitting (grammars compile there too): off the event loop.
         self._submit_pool = ThreadPoolExecutor(4, thread_name_prefix="libkk-serve-submit")
-        self._chat_format: ChatFormat | None = None
         self._token_text = P.TokenText(session.tokenizer)
         self._created = P.now()
 
@@ -216,19 +215,18 @@ class _Server:
         tool_chat: ToolChat | None = None
 
         def prepare() -> tuple[list[Prompt], SamplingParams]:
-            # NOTE: as Session.chat prepares a chat (its _prepare_chat), so that the server's
-            # answers are the session's.
+            # NOTE: prepared as Session.chat prepares it, so that the server's answers are the
+            # session's; a bad response_format is checked first to name it as the bad field.
             nonlocal tool_chat
             try:
-                answer = with_response_format(params, req.response_format)
+                with_response_format(params, req.response_format)
             except LibkkError as e:
                 raise P.RequestError(str(e), param="response_format") from None
-            fmt = self._format()
             choice = "auto" if req.tool_choice is None else req.tool_choice
-            tool_chat = ToolChat.build(fmt, req.tools, choice, params, answer)
-            text = fmt.render(messages, tool_chat.tools if tool_chat else None, {})
-            ids = self.session.tokenizer.encode(text, add_special_tokens=False)
-            return [ids], (tool_chat.params if tool_chat else answer)  # type: ignore[return-value]
+            ids, sampling, tool_chat = self.session.prepare_chat(
+                messages, params, req.response_format, req.tools, choice, {}
+            )
+            return [ids], sampling  # type: ignore[return-value]
 
         rid = P.new_id("chatcmpl")
         run = await self._submit(1, req.n, prepare, rid)
@@ -251,11 +249,6 @@ class _Server:
             return _streaming(self._completion_chunks(req, run, rid))
         outputs = await self._collect(run, request)
         return _json(self._completion_response(req, rid, outputs))
-
-    def _format(self) -> ChatFormat:
-        if self._chat_format is None:
-            self._chat_format = chat_format_for(self.session.tokenizer)
-        return self._chat_format
 
     # ---- submission and waiting -----------------------------------------------------------
 
