@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from libkk.distributed import all_reduce, get_tp_rank, get_tp_size
+from libkk.distributed import all_reduce, get_tp_size
 from libkk.kernels.moe import SILU, ExpertActivation, expert_activation_ref, moe_topk_routing
 from libkk.layers.linear import (
     Linear,
@@ -29,7 +29,7 @@ from libkk.layers.linear import (
     shard_expert_weights,
     tp_split,
 )
-from libkk.layers.quant_moe import QuantFusedMoE, current_moe_options
+from libkk.layers.quant_moe import QuantFusedMoE, current_moe_options, expert_biases
 
 
 def select_experts(
@@ -110,8 +110,12 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         bias: bool = False,
         activation: ExpertActivation = SILU,
+        full_intermediate_size: int | None = None,
     ) -> None:
+        """intermediate_size: this rank's part of every expert's intermediate dimension;
+        full_intermediate_size: the whole (default: the same)."""
         super().__init__()
+        full_intermediate_size = full_intermediate_size or intermediate_size
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -128,11 +132,8 @@ class FusedMoE(nn.Module):
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if bias:
-            self.w13_bias = new_param(
-                num_experts, 2 * intermediate_size, loader=self._load, shard_ids=w13_shards
-            )
-            self.w2_bias = new_param(
-                num_experts, hidden_size, loader=self._load, shard_ids=w2_shards
+            self.w13_bias, self.w2_bias = expert_biases(
+                num_experts, hidden_size, intermediate_size, full_intermediate_size
             )
 
     def _load(
@@ -142,16 +143,13 @@ class FusedMoE(nn.Module):
             default_weight_loader(param, loaded, name)
             return
         expert, part = shard_id  # type: ignore[misc]
-        if param is self.w13_weight or param is self.w13_bias:
+        if param is self.w13_weight:
             # rows of gate (part 0) or up (part 1) within this expert's block
             size = self.intermediate_size
             target = param.data[expert].narrow(0, part * size, size)
         else:
             target = param.data[expert]
         check_shape(name, target.shape, loaded.shape)
-        if param is self.w2_bias and get_tp_rank() != 0:
-            # The ranks' partial outputs are summed: one rank adds the down projection's bias.
-            loaded = torch.zeros_like(loaded)
         target.copy_(loaded)
 
     def forward(
@@ -207,7 +205,9 @@ class SparseMoeBlock(nn.Module):
                 full_intermediate_size=intermediate_size, bias=expert_bias, activation=activation,
             )  # fmt: skip
         else:
-            self.experts = FusedMoE(num_experts, hidden_size, len(part), expert_bias, activation)
+            self.experts = FusedMoE(
+                num_experts, hidden_size, len(part), expert_bias, activation, intermediate_size
+            )
         shard_expert_weights(self.experts.w13_weight, self.experts.w2_weight, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ shared by every expert before routing), converted from the checkpoint's conventi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Hashable, Iterator
 from contextvars import ContextVar
@@ -171,6 +172,53 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader, shard_ids, zero: 
     return p
 
 
+def expert_biases(
+    num_experts: int, hidden_size: int, intermediate_size: int, full_intermediate_size: int
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """The experts' biases, w13_bias [E, 2I] (gate rows then up rows) and w2_bias [E, H], in the
+    activation dtype (the default dtype while the model is built), for the packed and the plain
+    expert layers alike. They load per expert (shard id (expert, part), as the weights do) or
+    stacked; under tensor parallelism each rank reads its rows of the gate/up biases, and only
+    rank 0 holds the down projection's (the ranks' partial outputs are summed)."""
+    e, i = num_experts, intermediate_size
+    dtype = torch.get_default_dtype()
+    w13_shards = frozenset((x, j) for x in range(e) for j in (0, 1))
+    w2_shards = frozenset((x, 0) for x in range(e))
+    w13 = _param((e, 2 * i), dtype, functools.partial(_load_expert_bias, rows=i), w13_shards)
+    w2 = _param((e, hidden_size), dtype, functools.partial(_load_expert_bias, rows=0), w2_shards)
+    if get_tp_size() > 1:
+        w13.tp_slices = functools.partial(_w13_bias_slices, full_intermediate_size)  # type: ignore[attr-defined]
+    return w13, w2
+
+
+def _load_expert_bias(
+    param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None, *, rows: int
+) -> None:
+    """One bias part (shard id (expert, part); `rows` per part for gate/up, 0 for down) or the
+    stacked tensor (shard id None)."""
+    if not loaded.is_floating_point():
+        raise CorruptCheckpointError(f"bias {name!r} is {loaded.dtype}, expected floats")
+    target = param.data
+    if shard_id is not None:
+        expert, part = shard_id  # type: ignore[misc]
+        target = target[expert]
+        if rows:  # gate (part 0) or up (part 1) rows of this expert
+            target = target.narrow(0, part * rows, rows)
+    check_shape(name, target.shape, loaded.shape)
+    if not rows and get_tp_rank() != 0:
+        loaded = torch.zeros_like(loaded)  # one rank adds the down projection's bias
+    target.copy_(loaded)
+
+
+def _w13_bias_slices(full: int, shard_id: Hashable) -> list[tuple[int, int, int]]:
+    """This rank's rows of a gate/up bias part [I] (or of a stacked [E, 2I] one: its gate rows
+    and its up rows)."""
+    part = tp_split(full, "moe_intermediate_size")
+    if shard_id is None:
+        return [(1, part.start, part.stop), (1, full + part.start, full + part.stop)]
+    return [(0, part.start, part.stop)]
+
+
 class QuantFusedMoE(IndexedLayer):
     """The experts of one MoE layer as packed 4-bit weights (same forward contract as FusedMoE)."""
 
@@ -235,12 +283,8 @@ class QuantFusedMoE(IndexedLayer):
         self.w2_input_scale.optional = True  # type: ignore[attr-defined]
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
-        if bias:  # in the activation dtype (the default dtype while the model is built)
-            dtype = torch.get_default_dtype()
-            self.w13_bias = _param((e, 2 * i), dtype, self._load_bias, w13_shards)
-            self.w2_bias = _param((e, h), dtype, self._load_bias, w2_shards)
-            if get_tp_size() > 1:
-                self.w13_bias.tp_slices = self._w13_bias_slices  # type: ignore[attr-defined]
+        if bias:
+            self.w13_bias, self.w2_bias = expert_biases(e, h, i, self.full_intermediate_size)
         self._prefetch: _CsfLayer | None = None
         # Settled by `settle_row_kernels` after loading: whether the fused kernels run (else the
         # torch path), and whether prefill-only steps run W4A8.
@@ -296,34 +340,6 @@ class QuantFusedMoE(IndexedLayer):
             loaded = self._own_columns(loaded, per_column)
         check_shape(name, target.shape, loaded.shape)
         target.copy_(loaded)
-
-    def _load_bias(
-        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: Hashable = None
-    ) -> None:
-        """A per-expert bias part (shard id (expert, part), as FusedMoE's) or a stacked one."""
-        if not loaded.is_floating_point():
-            raise CorruptCheckpointError(f"bias {name!r} is {loaded.dtype}, expected floats")
-        target = param.data
-        if shard_id is not None:
-            expert, part = shard_id  # type: ignore[misc]
-            target = target[expert]
-            if param is self.w13_bias:  # gate (part 0) or up (part 1) rows of this expert
-                rows = self.intermediate_size
-                target = target.narrow(0, part * rows, rows)
-        check_shape(name, target.shape, loaded.shape)
-        if param is self.w2_bias and get_tp_rank() != 0:
-            # The ranks' partial outputs are summed: one rank adds the down projection's bias.
-            loaded = torch.zeros_like(loaded)
-        target.copy_(loaded)
-
-    def _w13_bias_slices(self, shard_id: Hashable) -> list[tuple[int, int, int]]:
-        """Under tensor parallelism, this rank's rows of a gate/up bias part [I] (or of a stacked
-        [E, 2I] one: its gate rows and its up rows)."""
-        full = self.full_intermediate_size
-        part = tp_split(full, "moe_intermediate_size")
-        if shard_id is None:
-            return [(1, part.start, part.stop), (1, full + part.start, full + part.stop)]
-        return [(0, part.start, part.stop)]
 
     def _own_columns(self, loaded: torch.Tensor, per_column: int) -> torch.Tensor:
         """This rank's columns of a down-projection part that arrived whole (`per_column`
