@@ -22,11 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 import transformers
+from engine_parity import check_engine_greedy, hf_greedy
 from paged_helpers import PagedKV
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from libkk import SamplingParams, Session
 from libkk.errors import UnsupportedModelError
 from libkk.models.arch_config import parse_arch_config
 from libkk.models.loader import load_model
@@ -101,14 +101,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
 
 
 @torch.no_grad()
-def _hf_greedy(hf: nn.Module, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(steps):  # full recompute every step
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-@torch.no_grad()
 def test_prefill_logits_match_hf(saved) -> None:
     path, hf = saved
     kk, arch = load_model(path, torch.float32, torch.device("cpu"), progress=False)
@@ -136,25 +128,8 @@ def test_bf16_tracks_hf_bf16(saved) -> None:
 def test_greedy_through_the_engine_matches_hf(saved) -> None:
     """32 greedy tokens: alone, batched, chunked (7-token steps) and from the prefix cache."""
     path, hf = saved
-    want = [_hf_greedy(hf, p, GEN) for p in PROMPTS]
-    assert all(len(set(w)) > 1 for w in want), "degenerate reference"
-    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
-    common = dict(block_size=4, max_model_len=128)
-    with Session(str(path), max_num_seqs=1, enable_prefix_caching=False, **common) as s:
-        assert [s.generate(p, params).token_ids for p in PROMPTS] == want
-    with Session(str(path), enable_prefix_caching=False, **common) as s:
-        assert [o.token_ids for o in s.generate(PROMPTS, params)] == want
-    with Session(
-        str(path), max_num_batched_tokens=7, enable_prefix_caching=False, **common
-    ) as s:  # fmt: skip
-        assert [o.token_ids for o in s.generate(PROMPTS, params)] == want
-        assert s.engine.num_steps > 3 * 40 // 7
-    with Session(str(path), **common) as s:
-        first = s.generate(PROMPTS[0], params)
-        again = s.generate(PROMPTS, params)  # PROMPTS[0] whole, PROMPTS[1] its first 24 tokens
-        assert first.token_ids == want[0]
-        assert [o.token_ids for o in again] == want
-        assert again[0].num_cached_tokens >= 36 and again[1].num_cached_tokens >= 24
+    want = [hf_greedy(hf, p, GEN) for p in PROMPTS]
+    check_engine_greedy(path, PROMPTS, want)
 
 
 @torch.no_grad()
