@@ -33,15 +33,23 @@ def _tokens(path, **settings) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager(dirs, dtype):
-    eager = _tokens(dirs["float"], dtype=dtype, cudagraph_mode="NONE", torch_compile=False)
-    assert _tokens(dirs["float"], dtype=dtype) == eager
-    if dtype == "float32":  # and the CPU path (the reference-checked one) agrees
+    """Graph replays equal the same forward run eagerly, compiled or not. In fp32 compiling changes
+    nothing either, and the CPU path (the reference-checked one) agrees; in bf16 Inductor's fused
+    pointwise code rounds where eager ops round each result, so there the compiled forward is
+    compared with itself."""
+    plain = _tokens(dirs["float"], dtype=dtype, cudagraph_mode="NONE", torch_compile=False)
+    assert _tokens(dirs["float"], dtype=dtype, torch_compile=False) == plain
+    compiled = _tokens(dirs["float"], dtype=dtype, cudagraph_mode="NONE")
+    assert _tokens(dirs["float"], dtype=dtype) == compiled
+    if dtype == "float32":
+        assert compiled == plain
         with Session(str(dirs["float"]), device="cpu", max_model_len=128, progress=False) as s:
-            assert [o.token_ids for o in s.generate(PROMPTS, GREEDY)] == eager
+            assert [o.token_ids for o in s.generate(PROMPTS, GREEDY)] == plain
 
 
 def test_mxfp4_packed_equals_dequantized(dirs):
-    """fp32 activations: the kernels multiply exactly the dequantized weights."""
+    """fp32 activations: the kernels multiply exactly the dequantized weights; in bf16 the graphs
+    replay what the same forward computes without them."""
     with Session(str(dirs["mxfp4"]), device="cuda", dtype="float32", max_model_len=128,
                  progress=False) as s:  # fmt: skip
         experts = s.engine.model.model.layers[0].mlp.experts
@@ -50,5 +58,5 @@ def test_mxfp4_packed_equals_dequantized(dirs):
         packed = [o.token_ids for o in s.generate(PROMPTS, GREEDY)]
     assert packed == _tokens(dirs["dense"], dtype="float32")
     assert _tokens(dirs["mxfp4"], dtype="bfloat16") == _tokens(
-        dirs["mxfp4"], dtype="bfloat16", cudagraph_mode="NONE", torch_compile=False
+        dirs["mxfp4"], dtype="bfloat16", cudagraph_mode="NONE"
     )
