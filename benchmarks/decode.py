@@ -38,6 +38,7 @@ from profiling import profile_steps
 
 # --scheduling: libkk's async_scheduling setting ("auto": the engine decides, asynchronous on CUDA)
 SCHEDULING = {"auto": "auto", "sync": False, "async": True}
+COMPILE = {"auto": "auto", "on": True, "off": False}  # --compile -> torch_compile
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -351,7 +352,7 @@ def bench_libkk(
     repeats: int,
     profile: bool = False,
     async_scheduling: bool | str = "auto",
-    torch_compile: bool = True,
+    torch_compile: bool | str = "auto",
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -445,9 +446,11 @@ def main() -> None:
         "forced synchronous / asynchronous",
     )
     ap.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="torch_compile=False: the graphs capture the eager forward (what compiling buys)",
+        "--compile",
+        choices=sorted(COMPILE),
+        default="auto",
+        help="torch_compile: auto (libkk's choice for the family), on, or off (the graphs "
+        "capture the eager forward; on against off is what compiling buys)",
     )
     args = ap.parse_args()
     cfg = {**COMMON, **SHAPES[args.shape]}
@@ -474,7 +477,7 @@ def main() -> None:
             args.repeats,
             profile,
             SCHEDULING[args.scheduling],
-            not args.no_compile,
+            COMPILE[args.compile],
         )
         ctx = args.prompt + args.tokens // 2
         floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3

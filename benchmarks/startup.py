@@ -120,7 +120,12 @@ def main() -> None:
         action="store_true",
         help="cold and warm starts only (no artifacts-only case, no transformers)",
     )
-    ap.add_argument("--no-compile", action="store_true", help="torch_compile=False")
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch_compile: auto (libkk's choice for the family), on or off",
+    )
     ap.add_argument(
         "--cudagraph-mode", default=None, help="libkk's cudagraph_mode (default: its own)"
     )
@@ -149,7 +154,7 @@ def main() -> None:
         device=args.device,
         prompt=prompt,
         explain=args.explain,
-        settings={"torch_compile": not args.no_compile}
+        settings={"torch_compile": {"on": True, "off": False}.get(args.compile, "auto")}
         | ({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}),
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)

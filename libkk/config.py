@@ -129,21 +129,29 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     ] = "FULL"
     # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
     cudagraph_capture_sizes: list[PositiveInt] | None = None
-    # On CUDA, compile the model with torch.compile, split at attention (Inductor fuses the
-    # norms, rotary, activations and residual adds between attention calls).
-    torch_compile: bool = True
+    # On CUDA, compile the model forward with torch.compile (Inductor fuses the torch ops left
+    # between libkk's kernels). "auto": compiled unless the model family runs libkk kernels
+    # alone on CUDA (its class's `fused_on_cuda`), where compiling buys nothing in decode or
+    # prefill and costs every start (benchmarks/RESULTS.md, 2026-12-05: Qwen3-8B). PIECEWISE
+    # modes always compile.
+    torch_compile: bool | Literal["auto"] = "auto"
     # On CUDA, for models with packed 4-bit MoE experts: before graph capture, time a few tile
     # configs of the fused MoE kernels per token bucket (powers of two up to the largest step) on
     # the model's real weights, keep the fastest in the artifact cache (a warm start loads them
     # without timing) and run them (graphs/moe_tiles.py). False: the kernels' static tile table.
     tune_moe_tiles: bool = True
 
-    def compiles_on(self, device_type: str) -> bool:
-        """Whether the model forward runs under torch.compile on this device type."""
-        return device_type == "cuda" and self.torch_compile
+    def compiles(self, device_type: str, model: object) -> bool:
+        """Whether `model`'s forward runs under torch.compile on this device type."""
+        if device_type != "cuda":
+            return False
+        if self.torch_compile == "auto":
+            fused = getattr(model, "fused_on_cuda", False)
+            return "PIECEWISE" in self.cudagraph_mode or not fused
+        return self.torch_compile
 
     def __post_init__(self) -> None:
-        if "PIECEWISE" in self.cudagraph_mode and not self.torch_compile:
+        if "PIECEWISE" in self.cudagraph_mode and self.torch_compile is False:
             raise ValueError(
                 f"cudagraph_mode={self.cudagraph_mode!r} needs torch_compile=True "
                 "(the graphed pieces are compiled)"

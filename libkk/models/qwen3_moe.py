@@ -22,6 +22,8 @@ from libkk.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    fused_on_cuda = False  # the router's torch ops; compiled against eager not yet measured
+
     expert_weights = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
                       "down_proj": ("w2_weight", 0)}  # fmt: skip
 

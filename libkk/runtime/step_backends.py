@@ -164,7 +164,8 @@ class StepBackends:
         # model.forward(input_ids, positions), compiled on CUDA (the CPU stays eager: exact
         # parity with the reference and no compile time).
         self.forward: Forward = model.forward
-        if compilation.compiles_on(device.type):
+        self.compiled = compilation.compiles(device.type, model)
+        if self.compiled:
             if graphs and mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
                 piecewise = PiecewiseBackend(self._sizes())
             self.forward = CompiledForward(model, backend=piecewise)
@@ -236,11 +237,11 @@ class StepBackends:
         mode = self.compilation.cudagraph_mode
         # PIECEWISE graphs pieces of the compiled forward; with nothing compiled it graphs the
         # decode steps whole instead.
-        full = mode != "PIECEWISE" or not self.compilation.torch_compile
+        full = mode != "PIECEWISE" or not self.compiled
         decode = self._decode_graphs() if full else None
         mixed = self._mixed_graphs(decode) if mode == "FULL" else None
         start = time.perf_counter()
-        if not self.compilation.torch_compile:
+        if not self.compiled:
             self._capture_full(decode, mixed, progress)
             self.startup_seconds["capture CUDA graphs"] = time.perf_counter() - start
         else:

@@ -1,6 +1,6 @@
 """Several CUDA sessions in one process, stepped from their own threads at once, with compiled
-forwards and CUDA graphs (the default mode): each request's tokens equal the same session's
-alone. Sessions of one model share the compiled forward; graphs and KV caches are each their own."""
+forwards and CUDA graphs: each request's tokens equal the same session's alone. Sessions of one
+model share the compiled forward; graphs and KV caches are each their own."""
 
 from __future__ import annotations
 
@@ -29,10 +29,8 @@ def _run(session: Session) -> list[list[int]]:
 def test_graph_sessions_in_threads_equal_each_alone(tiny_qwen3_dir, tiny_moe_dirs):
     # Two models with no downloaded tokenizer (the GPU machine has none): dense and MoE.
     dirs = [tiny_qwen3_dir, tiny_moe_dirs["bf"], tiny_qwen3_dir, tiny_moe_dirs["bf"]]
-    sessions = [
-        Session(str(d), device="cuda", max_model_len=256, max_num_seqs=8, progress=False)
-        for d in dirs
-    ]
+    settings = dict(device="cuda", max_model_len=256, max_num_seqs=8, torch_compile=True)
+    sessions = [Session(str(d), progress=False, **settings) for d in dirs]
     try:
         alone = [_run(s) for s in sessions[:2]]
         results: list[list[list[list[int]]]] = [[] for _ in sessions]
