@@ -468,24 +468,21 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.measure is not None:  # only measure an existing drafter on held-out prompts
         from libkk.spec_decode.dflash import DFlashProposer
         from libkk.spec_decode.dflash_model import load_drafter
-        from libkk.spec_decode.training.target import (
-            builtin_prompts,
-            chat_prompt_ids,
-            measure_acceptance,
-        )
+        from libkk.spec_decode.training.distill import held_out_prompt_ids
+        from libkk.spec_decode.training.target import measure_acceptance
 
         drafter = load_drafter(args.measure, device, dtype, quantization=args.quantization)
         proposer = DFlashProposer.from_drafter(drafter, target)
-        held = prompts or builtin_prompts(held_out=True)
-        ids = [chat_prompt_ids(tokenizer, t) for t in held[: args.eval_prompts]]
-        report = measure_acceptance(
-            target, proposer, ids, args.max_new_tokens, sorted(tokenizer.eos_token_ids), None, True
-        )
-        print(
-            f"acceptance length {report.mean_acceptance_length:.3f} over "
-            f"{report.verification_steps} verification steps ({report.generated_tokens} tokens, "
-            f"{len(ids)} prompts, K={proposer.num_drafts})"
-        )
+        stops = sorted(tokenizer.eos_token_ids)
+        for kind, ids in held_out_prompt_ids(tokenizer, args.eval_prompts, prompts).items():
+            report = measure_acceptance(
+                target, proposer, ids, args.max_new_tokens, stops, None, _show_progress(args)
+            )
+            print(
+                f"{kind} prompts: acceptance length {report.mean_acceptance_length:.3f} over "
+                f"{report.verification_steps} verification steps ({report.generated_tokens} "
+                f"tokens, {len(ids)} prompts, K={proposer.num_drafts})"
+            )
         return 0
     if args.output is None:
         raise ConfigError("train-drafter needs --output (or --measure DRAFTER to only measure)")
@@ -499,6 +496,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         gen_batch_size=args.gen_batch_size,
         temperature=args.temperature,
+        plain_fraction=args.plain_fraction,
         steps=args.steps,
         seqs_per_step=args.seqs_per_step,
         blocks_per_seq=args.blocks_per_seq,
@@ -525,10 +523,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         f"({report.num_generated_tokens} generated tokens) in {report.seconds / 60:.1f} min; "
         f"loss {report.final_loss:.3f}, training-batch acceptance {report.train_acceptance:.2f}"
     )
-    if acc is not None:
+    for kind, report in acc.items():
         print(
-            f"held-out acceptance length {acc.mean_acceptance_length:.3f} "
-            f"({acc.verification_steps} verification steps, {acc.generated_tokens} tokens)"
+            f"held-out {kind} prompts: acceptance length {report.mean_acceptance_length:.3f} "
+            f"({report.verification_steps} verification steps, {report.generated_tokens} tokens)"
         )
     return 0
 
@@ -748,6 +746,12 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--max-new-tokens", type=int, default=128, help="tokens per continuation")
     td.add_argument("--gen-batch-size", type=int, default=32, help="sequences generated at once")
     td.add_argument("--temperature", type=float, default=0.0, help="0: greedy continuations")
+    td.add_argument(
+        "--plain-fraction",
+        type=float,
+        default=0.5,
+        help="share of prompts given as plain text, without the chat template (default: 0.5)",
+    )
     td.add_argument("--steps", type=int, default=1000, help="training steps")
     td.add_argument("--seqs-per-step", type=int, default=4, help="sequences per training step")
     td.add_argument("--blocks-per-seq", type=int, default=8, help="blocks drawn per sequence")
@@ -769,7 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from", default=None, help="continue from this drafter (default: a fresh one)"
     )
     td.add_argument("--seed", type=int, default=0, help="random seed")
-    td.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure")
+    td.add_argument(
+        "--eval-prompts", type=int, default=16, help="held-out prompts to measure, of each kind"
+    )
     td.set_defaults(func=cmd_train_drafter)
 
     tables = command(

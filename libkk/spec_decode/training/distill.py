@@ -47,11 +47,13 @@ from libkk.spec_decode.dflash_model import (
 from libkk.spec_decode.training.target import (
     AcceptanceReport,
     TargetRunner,
+    builtin_plain_prompts,
     builtin_prompts,
     chat_prompt_ids,
     decoder_layers,
     generate,
     measure_acceptance,
+    prompt_ids,
     target_hidden_states,
 )
 
@@ -66,6 +68,9 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_prompts: int = 256
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: the target's greedy continuations
+    # Share of the prompts given as plain text (no chat template): built-in plain openings, or
+    # the caller's prompts as they are. The rest are chat prompts.
+    plain_fraction: float = 0.5
     steps: int = 1000
     seqs_per_step: int = 4
     blocks_per_seq: int = 8
@@ -91,6 +96,10 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"train-drafter: block_size must be >= 2, got {self.block_size}")
         if self.temperature < 0:
             raise ConfigError(f"train-drafter: temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.plain_fraction <= 1.0:
+            raise ConfigError(
+                f"train-drafter: plain_fraction must be in [0, 1], got {self.plain_fraction}"
+            )
 
 
 # -- the drafter ------------------------------------------------------------------------------
@@ -362,7 +371,7 @@ class TrainReport:
     steps: int
     final_loss: float
     train_acceptance: float  # estimated from the last training batches
-    acceptance: AcceptanceReport | None
+    acceptance: dict[str, AcceptanceReport]  # held-out "chat" and "plain" prompts; {}: not measured
     seconds: float
 
 
@@ -385,9 +394,7 @@ def train_drafter(
     begin = time.monotonic()
     torch.manual_seed(options.seed)
     stop_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
-    texts = list(prompts) if prompts is not None else builtin_prompts()
-    texts = (texts * (1 + options.num_prompts // max(1, len(texts))))[: options.num_prompts]
-    prompt_ids = [chat_prompt_ids(tokenizer, t) for t in texts]
+    prompt_ids = training_prompt_ids(tokenizer, options, prompts)
     config = drafter_config_for(target, options, target_name)
     device = next(target.parameters()).device
 
@@ -407,14 +414,13 @@ def train_drafter(
     drafter.eval()
     out = save_drafter(drafter, output_dir)
 
-    acceptance = None
+    acceptance = {}
     if options.eval_prompts > 0:
-        held = list(eval_prompts) if eval_prompts is not None else builtin_prompts(True)
-        held_ids = [chat_prompt_ids(tokenizer, t) for t in held[: options.eval_prompts]]
         proposer = DFlashProposer.from_drafter(drafter, target)
-        acceptance = measure_acceptance(
-            target, proposer, held_ids, options.eval_max_new_tokens, stop_ids
-        )
+        for kind, ids in held_out_prompt_ids(tokenizer, options.eval_prompts, eval_prompts).items():
+            acceptance[kind] = measure_acceptance(
+                target, proposer, ids, options.eval_max_new_tokens, stop_ids
+            )
     recent = history[-50:]
     return TrainReport(
         output_dir=out,
@@ -426,6 +432,36 @@ def train_drafter(
         acceptance=acceptance,
         seconds=time.monotonic() - begin,
     )
+
+
+def training_prompt_ids(
+    tokenizer: Any, options: TrainOptions, prompts: Sequence[str] | None = None
+) -> list[list[int]]:
+    """`options.num_prompts` prompts: the chat ones first, then `plain_fraction` of them as plain
+    text (from `prompts`, else the built-in sets), each set repeated as needed."""
+    num_plain = round(options.num_prompts * options.plain_fraction)
+    chat = list(prompts) if prompts is not None else builtin_prompts()
+    plain = list(prompts) if prompts is not None else builtin_plain_prompts()
+    return [
+        chat_prompt_ids(tokenizer, t) for t in _cycled(chat, options.num_prompts - num_plain)
+    ] + [prompt_ids(tokenizer, t, chat=False) for t in _cycled(plain, num_plain)]
+
+
+def held_out_prompt_ids(
+    tokenizer: Any, count: int, prompts: Sequence[str] | None = None
+) -> dict[str, list[list[int]]]:
+    """Evaluation prompts by kind: "chat" (chat-templated) and "plain" (no template), `count` of
+    each: the first of `prompts`, else of the built-in held-out sets."""
+    chat = list(prompts) if prompts is not None else builtin_prompts(held_out=True)
+    plain = list(prompts) if prompts is not None else builtin_plain_prompts(held_out=True)
+    return {
+        "chat": [chat_prompt_ids(tokenizer, t) for t in chat[:count]],
+        "plain": [prompt_ids(tokenizer, t, chat=False) for t in plain[:count]],
+    }
+
+
+def _cycled(texts: list[str], count: int) -> list[str]:
+    return (texts * (1 + count // max(1, len(texts))))[:count]
 
 
 def _distillation_corpus(

@@ -582,12 +582,66 @@ _TEMPLATES = (
 )
 
 
+# Openings of plain text (no chat template): the starts of documents, notes and code that a
+# completion prompt continues.
+_PLAIN_TEMPLATES = (
+    "An introduction to {}.\n\n",
+    "# {}\n\n",
+    "Here are three facts about {}:\n\n1.",
+    "The history of {} begins",
+    "Q: What is {}?\nA:",
+    "Notes on {}:\n-",
+)
+_CODE_SIGNATURES = (
+    "is_prime(n)", "factorial(n)", "gcd(a, b)", "reverse_string(s)", "binary_search(items, x)",
+    "merge_sort(items)", "count_words(text)", "flatten(nested)", "mean(values)",
+    "transpose(matrix)", "is_palindrome(s)", "quicksort(items)", "read_lines(path)",
+    "word_frequencies(text)", "celsius_to_fahrenheit(c)", "unique(items)", "chunks(items, size)",
+    "max_subarray(nums)", "levenshtein(a, b)", "matrix_multiply(a, b)", "parse_csv(text)",
+    "to_snake_case(name)", "median(values)", "primes_below(n)",
+)  # fmt: skip
+_HELD_OUT_CODE_SIGNATURES = (
+    "fib(n)", "bubble_sort(items)", "is_anagram(a, b)", "sum_digits(n)",
+    "capitalize_words(text)", "find_duplicates(items)", "power_set(items)", "rotate(items, k)",
+)  # fmt: skip
+_CODE_TEMPLATES = ("def {}:", "def {}:\n    ")
+
+
 def builtin_prompts(held_out: bool = False) -> list[str]:
-    """Instruction prompts (topics x templates); the held-out set shares no topic with the rest."""
+    """Instruction prompts for the chat template (topics x templates); the held-out set shares no
+    topic with the rest."""
     topics = _HELD_OUT_TOPICS if held_out else _TOPICS
     prompts = [t.format(topic) for topic in topics for t in _TEMPLATES]
     random.Random(1234).shuffle(prompts)
     return prompts
+
+
+def builtin_plain_prompts(held_out: bool = False) -> list[str]:
+    """Plain-text openings to continue without a chat template: prose starts over the topics and
+    Python function heads, one in four of them code; the held-out set shares no topic or function
+    with the rest."""
+    topics = _HELD_OUT_TOPICS if held_out else _TOPICS
+    signatures = _HELD_OUT_CODE_SIGNATURES if held_out else _CODE_SIGNATURES
+    rng = random.Random(1234)
+    prose = [_capitalized(t.format(topic)) for topic in topics for t in _PLAIN_TEMPLATES]
+    code = [t.format(sig) for sig in signatures for t in _CODE_TEMPLATES]
+    rng.shuffle(prose)
+    rng.shuffle(code)
+    mixed = []
+    for i, text in enumerate(prose):  # every fourth prompt code, while code lasts
+        if i % 3 == 0 and code:
+            mixed.append(code.pop())
+        mixed.append(text)
+    return mixed + code
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of `text` as a one-turn chat prompt (`chat`) or as plain text."""
+    return chat_prompt_ids(tokenizer, text) if chat else tokenizer.encode(text)
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from libkk.errors import CorruptCheckpointError
+from libkk.errors import ConfigError, CorruptCheckpointError
 from libkk.models.arch_config import parse_arch_config
 from libkk.models.llama import LlamaForCausalLM
 from libkk.quant.formats import dequantize_fp8_block, quantize_fp8_block
@@ -32,12 +32,16 @@ from libkk.spec_decode.training.distill import (
     DrafterTrainer,
     Sample,
     TrainOptions,
+    held_out_prompt_ids,
     init_drafter,
     train_drafter,
     train_loop,
+    training_prompt_ids,
 )
 from libkk.spec_decode.training.target import (
     TargetRunner,
+    builtin_plain_prompts,
+    builtin_prompts,
     generate,
     measure_acceptance,
     target_hidden_states,
@@ -404,7 +408,8 @@ def test_train_drafter_loss_goes_down_and_writes_a_checkpoint(tmp_path, target) 
         target, _Tokenizer(), tmp_path / "d", opts, "tiny", prompts, prompts[:2], progress=False
     )
     assert report.steps == 40 and report.num_sequences == 6
-    assert report.acceptance is not None and report.acceptance.mean_acceptance_length >= 1.0
+    assert sorted(report.acceptance) == ["chat", "plain"]
+    assert all(a.mean_acceptance_length >= 1.0 for a in report.acceptance.values())
     drafter = load_drafter(tmp_path / "d")
     assert drafter.config.target_layer_ids == IDS and drafter.config.target_model == "tiny"
 
@@ -438,6 +443,31 @@ def test_train_drafter_loss_goes_down_and_writes_a_checkpoint(tmp_path, target) 
     trainer.options = msgspec.structs.replace(opts, sampled_softmax=0)
     sampled.options = trainer.options  # evaluate both on the whole vocabulary
     assert float(sampled.batch_loss(samples, anchors)[0]) < 0.7 * first
+
+
+class _ChatTokenizer(_Tokenizer):
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+        return f"<user>{messages[0]['content']}<assistant>"
+
+
+def test_training_prompts_mix_chat_and_plain_text() -> None:
+    """plain_fraction of the prompts skip the chat template; the built-in plain openings include
+    code, and the held-out sets share no prompt with the training sets."""
+    tok = _ChatTokenizer()
+    opts = TrainOptions(num_prompts=10, plain_fraction=0.3, mask_token_id=MASK)
+    ids = training_prompt_ids(tok, opts, ["alpha", "beta"])
+    assert ids[:7] == [tok.encode(f"<user>{t}<assistant>") for t in ["alpha", "beta"] * 4][:7]
+    assert ids[7:] == [tok.encode(t) for t in ["alpha", "beta", "alpha"]]
+    train, held = builtin_plain_prompts(), builtin_plain_prompts(held_out=True)
+    assert not set(train) & set(held) and not set(builtin_prompts()) & set(builtin_prompts(True))
+    assert "def fib(n):" in held and sum(t.startswith("def ") for t in held[:16]) >= 3
+    evaluation = held_out_prompt_ids(tok, 3)
+    assert evaluation["plain"] == [tok.encode(t) for t in held[:3]]
+    assert all(tok.encode("<user>")[0] == p[0] for p in evaluation["chat"])
+    with pytest.raises(ConfigError, match="plain_fraction"):
+        TrainOptions(plain_fraction=1.5)
 
 
 def test_speculative_greedy_equals_plain_greedy_on_tiny_model(target) -> None:
