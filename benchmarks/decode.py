@@ -353,6 +353,7 @@ def bench_libkk(
     profile: bool = False,
     async_scheduling: bool | str = "auto",
     torch_compile: bool | str = "auto",
+    capture_sizes: list[int] | None = None,
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -365,6 +366,7 @@ def bench_libkk(
         max_num_batched_tokens=max(8192, prompt),
         async_scheduling=async_scheduling,
         torch_compile=torch_compile,
+        cudagraph_capture_sizes=capture_sizes,
         progress=False,
     ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
@@ -452,6 +454,14 @@ def main() -> None:
         help="torch_compile: auto (libkk's choice for the family), on, or off (the graphs "
         "capture the eager forward; on against off is what compiling buys)",
     )
+    ap.add_argument(
+        "--capture-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="cudagraph_capture_sizes (default: libkk's); sizes above 256 graph prefill-sized "
+        "mixed steps",
+    )
     args = ap.parse_args()
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
@@ -478,6 +488,7 @@ def main() -> None:
             profile,
             SCHEDULING[args.scheduling],
             COMPILE[args.compile],
+            args.capture_sizes,
         )
         ctx = args.prompt + args.tokens // 2
         floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3
