@@ -1,7 +1,7 @@
 """Triton kernels; each public op has a torch reference `<op>_ref` with the same signature.
 
 Ops are torch custom ops (`torch.ops.libkk.*`) with fake impls, so torch.compile traces around
-them. They run compiled on CUDA tensors and through Triton's interpreter on CPU tensors (slow:
+them; called outside tracing they run their function directly (`_jit.KernelOp`). They run compiled on CUDA tensors and through Triton's interpreter on CPU tensors (slow:
 for tests at small shapes).
 """
 

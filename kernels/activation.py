@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._jit import INTERPRETED, check_device, jit, pdl_args, wait_for_previous
+from ._jit import INTERPRETED, check_device, jit, kernel_op, pdl_args, wait_for_previous
 
 _BLOCK = 1024
 
@@ -47,7 +47,7 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * d + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("libkk::silu_and_mul", mutates_args=())
+@kernel_op("libkk::silu_and_mul", mutates_args=())
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     """silu(x[..., :d]) * x[..., d:], equal to `silu_and_mul_ref` on CUDA."""
     check_device(x)

@@ -31,7 +31,15 @@ import math
 import torch
 import triton.language as tl
 
-from ._jit import check_device, device_parallelism, jit, next_pow2, pdl_args, wait_for_previous
+from ._jit import (
+    check_device,
+    device_parallelism,
+    jit,
+    kernel_op,
+    next_pow2,
+    pdl_args,
+    wait_for_previous,
+)
 from .kv_cache import FP8_DTYPE
 
 _LOG2E = math.log2(math.e)
@@ -425,7 +433,7 @@ def default_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -
     return max(1, min(MAX_SPLITS, want))
 
 
-@torch.library.custom_op("libkk::paged_attention", mutates_args=("out",))
+@kernel_op("libkk::paged_attention", mutates_args=("out",))
 def _paged_attention_op(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -533,7 +541,7 @@ def paged_attention(
     """Paged attention for a mixed batch; writes and returns `out` (allocated if None)."""
     out = torch.empty_like(q) if out is None else out
     _check(q, kv_cache, block_table, seq_lens, query_start_loc, out, sinks)
-    torch.ops.libkk.paged_attention(
+    _paged_attention_op(
         q, kv_cache, block_table, seq_lens, query_start_loc, out, scale, k_scale, v_scale,
         max_query_len, num_splits, window, sinks,
     )  # fmt: skip

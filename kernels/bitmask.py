@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import check_device, jit
+from ._jit import check_device, jit, kernel_op
 
 _BLOCK = 1024  # tokens a program masks (32 words)
 
@@ -38,7 +38,7 @@ def _bitmask_kernel(
              mask=in_vocab & ~allowed)  # fmt: skip
 
 
-@torch.library.custom_op("libkk::apply_token_bitmask", mutates_args=("logits",))
+@kernel_op("libkk::apply_token_bitmask", mutates_args=("logits",))
 def _apply_token_bitmask_op(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
 ) -> None:
@@ -63,7 +63,7 @@ def apply_token_bitmask(
 ) -> torch.Tensor:
     """Masks `logits` in place and returns it."""
     _check(logits, bitmask, rows)
-    torch.ops.libkk.apply_token_bitmask(logits, bitmask, rows)
+    _apply_token_bitmask_op(logits, bitmask, rows)
     return logits
 
 

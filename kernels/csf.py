@@ -26,7 +26,7 @@ import triton.language as tl
 
 from libkk.errors import LibkkError
 
-from ._jit import check_device, jit, next_pow2
+from ._jit import check_device, jit, kernel_op, next_pow2
 
 SLAB_ROWS = 16
 POSITION_BITS = 24
@@ -147,7 +147,7 @@ def _check(
         )
 
 
-@torch.library.custom_op("libkk::csf_expand", mutates_args=("out",))
+@kernel_op("libkk::csf_expand", mutates_args=("out",))
 def csf_expand(
     kind: str,  # "mxfp4" | "nvfp4"
     base: torch.Tensor,  # [E, R] uint8

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from ._jit import check_device, jit, pdl_args, wait_for_previous
+from ._jit import check_device, jit, kernel_op, pdl_args, wait_for_previous
 from .activation import silu_and_mul, silu_and_mul_ref
 from .split_join import arrival_counts, arrive, sum_partials
 
@@ -198,7 +198,7 @@ def gemv(
     return out
 
 
-@torch.library.custom_op("libkk::linear", mutates_args=())
+@kernel_op("libkk::linear", mutates_args=())
 def linear(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor,  # [out, in]
@@ -222,7 +222,7 @@ def linear_ref(
     return F.linear(x, weight, bias)
 
 
-@torch.library.custom_op("libkk::gate_up_silu", mutates_args=())
+@kernel_op("libkk::gate_up_silu", mutates_args=())
 def gate_up_silu(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor,  # [2 * intermediate, in]: gate rows, then up rows

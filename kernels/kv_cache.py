@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
+from ._jit import check_device, jit, kernel_op, next_pow2, pdl_args, wait_for_previous
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -83,7 +83,7 @@ def check_store_args(
         )
 
 
-@torch.library.custom_op("libkk::store_kv", mutates_args=("kv_cache",))
+@kernel_op("libkk::store_kv", mutates_args=("kv_cache",))
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

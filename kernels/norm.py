@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
+from ._jit import check_device, jit, kernel_op, next_pow2, pdl_args, wait_for_previous
 from .kv_cache import FP8_DTYPE, check_store_args, saturate_fp8, store_kv_ref
 
 
@@ -75,7 +75,7 @@ def _warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-@torch.library.custom_op("libkk::rms_norm", mutates_args=())
+@kernel_op("libkk::rms_norm", mutates_args=())
 def rms_norm(
     x: torch.Tensor,  # [..., hidden]
     weight: torch.Tensor,  # [hidden]
@@ -101,7 +101,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
 
 
-@torch.library.custom_op("libkk::add_rms_norm", mutates_args=())
+@kernel_op("libkk::add_rms_norm", mutates_args=())
 def add_rms_norm(
     x: torch.Tensor,  # residual's shape, or [..., num_terms, hidden]: terms summed first
     residual: torch.Tensor,  # [..., hidden]
@@ -288,7 +288,7 @@ def _qk_norm_rope_kernel(
             _store_to_cache(value, x1, x2, half, d, v_scale_ptr, cache_ptr, mask, IS_FP8)
 
 
-@torch.library.custom_op("libkk::qk_norm_rope", mutates_args=())
+@kernel_op("libkk::qk_norm_rope", mutates_args=())
 def qk_norm_rope(
     q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
@@ -388,7 +388,7 @@ def qk_norm_rope_ref(
     return one(q, q_weight), one(k, k_weight)
 
 
-@torch.library.custom_op("libkk::qk_norm_rope_store_kv", mutates_args=("kv_cache", "q_out"))
+@kernel_op("libkk::qk_norm_rope_store_kv", mutates_args=("kv_cache", "q_out"))
 def qk_norm_rope_store_kv(
     q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]

@@ -25,7 +25,7 @@ import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._jit import INTERPRETED, check_device, device_parallelism, jit, next_pow2
+from ._jit import INTERPRETED, check_device, device_parallelism, jit, kernel_op, next_pow2
 
 # murmur3_32 constants (the seed is libkk's; changing any of them changes every sample).
 _HASH_SEED = tl.constexpr(0x6C6B6B31)
@@ -237,7 +237,7 @@ def _launch_gumbel_argmax(
     return out
 
 
-@torch.library.custom_op("libkk::gumbel_argmax", mutates_args=())
+@kernel_op("libkk::gumbel_argmax", mutates_args=())
 def _gumbel_argmax_op(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block_size: int = 0
 ) -> torch.Tensor:
@@ -249,7 +249,7 @@ def _(logits, seeds, positions, block_size=0):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
-@torch.library.custom_op("libkk::keyed_uniform", mutates_args=())
+@kernel_op("libkk::keyed_uniform", mutates_args=())
 def keyed_uniform(
     seeds: torch.Tensor,  # [R] int64
     positions: torch.Tensor,  # [R] int64 in [0, 2**32)
@@ -282,7 +282,7 @@ def _(seeds, positions, vocab_size):
 _AT_BLOCK = 256
 
 
-@torch.library.custom_op("libkk::keyed_uniform_at", mutates_args=())
+@kernel_op("libkk::keyed_uniform_at", mutates_args=())
 def keyed_uniform_at(
     seeds: torch.Tensor,  # [N] int64
     positions: torch.Tensor,  # [N] int64 in [0, 2**32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._jit import check_device, jit, next_pow2, pdl_args, wait_for_previous
+from .._jit import check_device, jit, kernel_op, next_pow2, pdl_args, wait_for_previous
 from .common import SCORING, _err
 
 # --------------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def _check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> Non
         raise _err(f"scoring {scoring!r} is not supported; supported: {', '.join(SCORING)}")
 
 
-@torch.library.custom_op("libkk::moe_topk_routing", mutates_args=())
+@kernel_op("libkk::moe_topk_routing", mutates_args=())
 def moe_topk_routing(
     router_logits: torch.Tensor,  # [num_tokens, num_experts]
     top_k: int,
@@ -292,7 +292,7 @@ def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None
         raise _err(f"block_m must be positive, got {block_m}")
 
 
-@torch.library.custom_op("libkk::moe_align_block_size", mutates_args=())
+@kernel_op("libkk::moe_align_block_size", mutates_args=())
 def moe_align_block_size(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64, values in 0..num_experts-1
     num_experts: int,

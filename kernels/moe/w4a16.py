@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._jit import check_device, jit
+from .._jit import check_device, jit, kernel_op
 from .common import (
     GROUP,
     PAIR_MAJOR,
@@ -198,7 +198,7 @@ def _down_kernel(
     tl.store(out_ptrs, y, mask=valid[:, None] & nmask[None, :])
 
 
-@torch.library.custom_op("libkk::moe_w4a16_gate_up", mutates_args=("out",))
+@kernel_op("libkk::moe_w4a16_gate_up", mutates_args=("out",))
 def moe_w4a16_gate_up(
     x: torch.Tensor,  # [num_tokens, K]
     w13: torch.Tensor,  # [E, 2I, K/2] uint8
@@ -278,7 +278,7 @@ def _(x, w13, w13_scale, w13_global, sorted_ids, expert_ids, num_post_pad, out, 
     return None
 
 
-@torch.library.custom_op("libkk::moe_w4a16_down", mutates_args=("out",))
+@kernel_op("libkk::moe_w4a16_down", mutates_args=("out",))
 def moe_w4a16_down(
     a: torch.Tensor,  # [num_pairs, I] from moe_w4a16_gate_up
     w2: torch.Tensor,  # [E, H, I/2] uint8
@@ -466,7 +466,7 @@ def _routed_pair_outputs(
     return y.view(num_tokens, top_k, -1)
 
 
-@torch.library.custom_op("libkk::fused_moe_w4a16_measured", mutates_args=())
+@kernel_op("libkk::fused_moe_w4a16_measured", mutates_args=())
 def fused_moe_w4a16_measured(
     x: torch.Tensor,
     w13: torch.Tensor,

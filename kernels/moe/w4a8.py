@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._jit import check_device, jit
+from .._jit import check_device, jit, kernel_op
 from .common import (
     GROUP,
     W4A8_PREFILL_CONFIG,
@@ -237,7 +237,7 @@ def _check_w4a8_tiles(k: int, sorted_ids, expert_ids, block_m: int) -> None:
     _check_tiles(sorted_ids, expert_ids, block_m, W4A8_BLOCK_K)
 
 
-@torch.library.custom_op("libkk::moe_w4a8_gate_up", mutates_args=("out",))
+@kernel_op("libkk::moe_w4a8_gate_up", mutates_args=("out",))
 def moe_w4a8_gate_up(
     xq: torch.Tensor,  # [num_tokens, K] float8_e4m3fn, x / x_scale
     w13: torch.Tensor,  # [E, 2I, K/2] uint8
@@ -288,7 +288,7 @@ def _(xq, w13, w13_scale, w13_global, x_scale, out_scale, sorted_ids, expert_ids
     return None
 
 
-@torch.library.custom_op("libkk::moe_w4a8_down", mutates_args=("out",))
+@kernel_op("libkk::moe_w4a8_down", mutates_args=("out",))
 def moe_w4a8_down(
     aq: torch.Tensor,  # [num_pairs, I] float8_e4m3fn from moe_w4a8_gate_up
     w2: torch.Tensor,  # [E, H, I/2] uint8
