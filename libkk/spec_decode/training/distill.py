@@ -53,7 +53,6 @@ from libkk.spec_decode.training.target import (
     decoder_layers,
     generate,
     measure_acceptance,
-    prompt_ids,
     target_hidden_states,
 )
 
@@ -444,7 +443,7 @@ def training_prompt_ids(
     plain = list(prompts) if prompts is not None else builtin_plain_prompts()
     return [
         chat_prompt_ids(tokenizer, t) for t in _cycled(chat, options.num_prompts - num_plain)
-    ] + [prompt_ids(tokenizer, t, chat=False) for t in _cycled(plain, num_plain)]
+    ] + [tokenizer.encode(t) for t in _cycled(plain, num_plain)]
 
 
 def held_out_prompt_ids(
@@ -456,7 +455,7 @@ def held_out_prompt_ids(
     plain = list(prompts) if prompts is not None else builtin_plain_prompts(held_out=True)
     return {
         "chat": [chat_prompt_ids(tokenizer, t) for t in chat[:count]],
-        "plain": [prompt_ids(tokenizer, t, chat=False) for t in plain[:count]],
+        "plain": [tokenizer.encode(t) for t in plain[:count]],
     }
 
 

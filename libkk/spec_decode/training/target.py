@@ -639,11 +639,6 @@ def _capitalized(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    """Token ids of `text` as a one-turn chat prompt (`chat`) or as plain text."""
-    return chat_prompt_ids(tokenizer, text) if chat else tokenizer.encode(text)
-
-
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a one-turn chat prompt (the chat template if the tokenizer has one)."""
     if getattr(tokenizer, "has_chat_template", False):
