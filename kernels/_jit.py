@@ -47,9 +47,9 @@ def jit(fn: Callable[..., Any]) -> Any:
 class KernelOp:
     """A libkk op as the layers call it. While torch.compile traces (or autograd records) it is
     the registered custom op, which Dynamo keeps opaque; otherwise its function runs directly:
-    the dispatcher's round trip costs several µs a call (8.5 against 1.0 measured for an empty op
-    on the CPU), and the first call of any custom op imports torch._dynamo (about 1.4 s), which an
-    eager CUDA forward has no other use for."""
+    the dispatcher's round trip costs several µs a call, and the first call of any custom op
+    imports torch._dynamo (about 1.5 s), which an eager CUDA forward has no other use for
+    (benchmarks/op_dispatch.py)."""
 
     def __init__(self, op: Any, fn: Callable[..., Any]) -> None:
         self.op, self.fn = op, fn
