@@ -48,7 +48,7 @@ class KernelOp:
     """A libkk op as the layers call it. While torch.compile traces (or autograd records) it is
     the registered custom op, which Dynamo keeps opaque; otherwise its function runs directly:
     the dispatcher's round trip costs several µs a call, and the first call of any custom op
-    imports torch._dynamo (about 1.5 s), which an eager CUDA forward has no other use for
+    imports torch._dynamo (about a second), which an eager CUDA forward has no other use for
     (benchmarks/op_dispatch.py)."""
 
     def __init__(self, op: Any, fn: Callable[..., Any]) -> None:
