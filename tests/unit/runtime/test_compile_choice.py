@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def test_torch_compile_auto_compiles_where_inductor_has_work():
-    """ "auto" leaves compiling off for a family whose CUDA forward is libkk kernels alone (Qwen3),
-    compiles the others and every PIECEWISE mode, and never compiles on the CPU."""
+    """torch_compile="auto" leaves compiling off for a family whose CUDA forward is libkk kernels
+    alone (Qwen3), compiles the others and every PIECEWISE mode, and never compiles on the CPU."""
     from libkk.config import CompilationConfig
     from libkk.models.llama import LlamaForCausalLM
     from libkk.models.qwen3 import Qwen3ForCausalLM
