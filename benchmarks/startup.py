@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import COMPILE  # noqa: E402
+
 LIBKK_CHILD = """
 import time, sys
 t0 = float(sys.argv[1])
@@ -122,7 +125,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--compile",
-        choices=["auto", "on", "off"],
+        choices=sorted(COMPILE),
         default="auto",
         help="torch_compile: auto (libkk's choice for the family), on or off",
     )
@@ -154,7 +157,7 @@ def main() -> None:
         device=args.device,
         prompt=prompt,
         explain=args.explain,
-        settings={"torch_compile": {"on": True, "off": False}.get(args.compile, "auto")}
+        settings={"torch_compile": COMPILE[args.compile]}
         | ({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}),
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
