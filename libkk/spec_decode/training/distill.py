@@ -439,8 +439,7 @@ def training_prompt_ids(
     """`options.num_prompts` prompts: the chat ones first, then `plain_fraction` of them as plain
     text (from `prompts`, else the built-in sets), each set repeated as needed."""
     num_plain = round(options.num_prompts * options.plain_fraction)
-    chat = list(prompts) if prompts is not None else builtin_prompts()
-    plain = list(prompts) if prompts is not None else builtin_plain_prompts()
+    chat, plain = _prompt_texts(prompts, held_out=False)
     return [
         chat_prompt_ids(tokenizer, t) for t in _cycled(chat, options.num_prompts - num_plain)
     ] + [tokenizer.encode(t) for t in _cycled(plain, num_plain)]
@@ -451,12 +450,18 @@ def held_out_prompt_ids(
 ) -> dict[str, list[list[int]]]:
     """Evaluation prompts by kind: "chat" (chat-templated) and "plain" (no template), `count` of
     each: the first of `prompts`, else of the built-in held-out sets."""
-    chat = list(prompts) if prompts is not None else builtin_prompts(held_out=True)
-    plain = list(prompts) if prompts is not None else builtin_plain_prompts(held_out=True)
+    chat, plain = _prompt_texts(prompts, held_out=True)
     return {
         "chat": [chat_prompt_ids(tokenizer, t) for t in chat[:count]],
         "plain": [tokenizer.encode(t) for t in plain[:count]],
     }
+
+
+def _prompt_texts(prompts: Sequence[str] | None, held_out: bool) -> tuple[list[str], list[str]]:
+    """(chat texts, plain texts): the caller's prompts for both, else the built-in sets."""
+    if prompts is not None:
+        return list(prompts), list(prompts)
+    return builtin_prompts(held_out), builtin_plain_prompts(held_out)
 
 
 def _cycled(texts: list[str], count: int) -> list[str]:
