@@ -16,6 +16,7 @@ the requests in static batches of --batch, each to its longest request's length 
 batching costs), counting only the requested tokens.
 
     python benchmarks/mixed.py [--shape qwen3-8b] [--modes FULL_DECODE_ONLY FULL FULL_AND_PIECEWISE]
+        [--compile auto|on|off]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import COMMON, SHAPES, prompts, write_checkpoint  # noqa: E402
+from decode import COMMON, COMPILE, SHAPES, prompts, write_checkpoint  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -52,6 +53,7 @@ def bench_libkk(path: Path, mode: str, ids: list[list[int]], lengths: list[int],
         max_model_len=args.prompt + args.max_tokens + 16,
         max_num_seqs=args.batch,
         cudagraph_mode=mode,
+        torch_compile=COMPILE[args.compile],
         progress=False,
     ) as s:
         s.generate(ids, params)  # warm up: compiles, captures and every step shape
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--compile", choices=sorted(COMPILE), default="auto",
+                    help="torch_compile, as decode.py's --compile")  # fmt: skip
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (use --shape tiny)")
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--out", default="mixed.json")

@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (  # noqa: E402
     COMMON,
+    COMPILE,
     SHAPES,
     bench_transformers,
     prompts,
@@ -76,7 +77,10 @@ class RepeatAnchor:
     target_layer_ids: tuple[int, ...] = ()
 
     def propose(self, requests):
-        from libkk.spec_decode.base import DraftProposal
+        try:
+            from libkk.spec_decode.base import DraftProposal
+        except ImportError:  # a tree before libkk/spec_decode (benchmarks/ab.py's base)
+            from libkk.spec.base import DraftProposal
 
         drafts = [[r.token_ids[-1]] * r.max_drafts for r in requests]
         return DraftProposal(token_ids=drafts, draft_logits=[None] * len(requests))
@@ -89,7 +93,14 @@ class RepeatAnchor:
 
 
 def run(
-    path: Path, ids: list[list[int]], tokens: int, repeats: int, device: str, profile: bool, **spec
+    path: Path,
+    ids: list[list[int]],
+    tokens: int,
+    repeats: int,
+    device: str,
+    profile: bool,
+    torch_compile: bool | str,
+    **spec,
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -105,11 +116,14 @@ def run(
         max_model_len=prompt + tokens + 32,
         max_num_seqs=batch,
         max_num_batched_tokens=max(8192, prompt),
+        torch_compile=torch_compile,
         progress=False,
         **spec,
     ) as s:
         if spec.get("rejection_sample_method") == "synthetic":
-            s.engine.speculation.proposer = RepeatAnchor()
+            # The engine's speculation component holds the proposer (the engine itself in trees
+            # before that component, which benchmarks/ab.py may compare against).
+            getattr(s.engine, "speculation", s.engine).proposer = RepeatAnchor()
         s.generate(ids, params)  # warm up: every step shape the repeats will see
         before = s.stats()
         tok_s, steady = [], []
@@ -175,6 +189,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny shape")
     ap.add_argument("--lengths", type=float, nargs="+", default=list(ACCEPTANCE_LENGTHS))
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram workload")
+    ap.add_argument("--compile", choices=sorted(COMPILE), default="auto",
+                    help="torch_compile, as decode.py's --compile")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="profile the speculative cases")
     ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
     ap.add_argument("--adaptive", action="store_true", help="also each case adaptively verified")
@@ -215,7 +231,8 @@ def main() -> None:
         for name, workload, spec in cases:
             row = {"batch": batch, "case": name}
             profile = args.profile and "method" in spec  # plain decoding: decode.py --profile
-            row |= run(path, workload, args.tokens, args.repeats, args.device, profile, **spec)
+            row |= run(path, workload, args.tokens, args.repeats, args.device, profile,
+                       COMPILE[args.compile], **spec)  # fmt: skip
             if name == "none":
                 base = row
             row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
