@@ -64,10 +64,15 @@ class InFlightStep:
     sampled: dict[str, Request]  # the requests that sample in it, as launched
     start: float  # perf_counter at launch
 
-    def reads_token_values(self, live: dict[str, Request]) -> bool:
-        """Whether a live request of it samples next from token values (penalties, min_tokens):
-        its token must be known before the next step is scheduled."""
-        return any(live.get(rid) is r and r.reads_token_values() for rid, r in self.sampled.items())
+    def reads_token_values(self, live: dict[str, Request], grammars_wait: bool) -> bool:
+        """Whether a live request of it samples next from token values (penalties, min_tokens;
+        a grammar where the runner cannot take masks after launch): its token must be known
+        before the next step is scheduled."""
+        return any(
+            live.get(rid) is r
+            and (r.reads_token_values() or (grammars_wait and r.grammar is not None))
+            for rid, r in self.sampled.items()
+        )
 
 
 class Engine:
@@ -287,7 +292,10 @@ class Engine:
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
         # A request whose next sampling reads token values waits for its in-flight token.
-        if previous is not None and previous.reads_token_values(self.scheduler.requests):
+        grammars_wait = not self.runner.defers_grammar_masks
+        if previous is not None and previous.reads_token_values(
+            self.scheduler.requests, grammars_wait
+        ):
             outputs += self._finish(previous, step_start)
             previous = None
         sched_out = self.scheduler.schedule()
@@ -309,6 +317,8 @@ class Engine:
         # While the device runs `launched`: the previous step, deferred outputs, learning.
         if previous is not None:
             outputs += self._finish(previous, step_start, retry=launched is None)
+        if launched is not None and launched.launched.pending is not None:
+            launched = self._sample_pending(launched, outputs)
         self.speculation.learn()
         outputs += self._emit_deferred()
         if launched is not None:
@@ -323,6 +333,29 @@ class Engine:
         launched = self.runner.launch(sched_out)
         sampled = self.scheduler.after_launch(sched_out)
         return InFlightStep(sched_out, launched, sampled, start)
+
+    def _sample_pending(
+        self, step: InFlightStep, outputs: list[RequestOutput]
+    ) -> InFlightStep | None:
+        """Samples a step launched before its grammar rows' previous tokens were in: their
+        masks follow now. A failure runs the step again request by request (into `outputs`)."""
+        masks = {}
+        for scheduled in step.sched_out.requests:
+            if scheduled.sampling is not None and scheduled.sampling.grammar_pending:
+                request = step.sampled[scheduled.request_id]
+                masks[scheduled.request_id] = (
+                    None if request.finished else request.grammar.next_mask()
+                )
+        try:
+            self.runner.sample_pending(step.launched, masks)
+        except TensorParallelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as a failed launch
+            _log_failed_step(e)
+            self.scheduler.undo_launch(step.sched_out, step.sampled)
+            outputs += self._run_alone(step.sched_out)
+            return None
+        return step
 
     def _finish(
         self, step: InFlightStep, step_start: float, retry: bool = True
@@ -361,11 +394,12 @@ class Engine:
             request = self.scheduler.requests.get(rid)
             if request is None:
                 continue  # finished by the previous step
-            if scheduled.last_token_in_flight:  # known now
+            if scheduled.last_token_in_flight:  # known now, and so is a grammar's mask
                 start, n = scheduled.num_computed_tokens, scheduled.num_new_tokens
                 scheduled = dataclasses.replace(
                     scheduled,
                     token_ids=request.all_token_ids[start : start + n],
+                    sampling=request.sampling_row() if scheduled.sampling is not None else None,
                     last_token_in_flight=False,
                 )
             single = SchedulerOutput(requests=[scheduled], kind=sched_out.kind)

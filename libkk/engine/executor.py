@@ -492,6 +492,10 @@ class TPModelRunner:
     Every other attribute is the wrapped ModelRunner's.
     """
 
+    # Every rank samples each step with rank 0's grammar masks, sent with the step: a mask
+    # must be known at launch.
+    defers_grammar_masks = False
+
     def __init__(self, runner: ModelRunner, executor: TPExecutor) -> None:
         self.runner = runner
         self.executor = executor

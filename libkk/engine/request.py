@@ -138,12 +138,12 @@ class Request:
     def reads_token_values(self) -> bool:
         """Whether sampling its next token reads earlier token values or needs the exact output
         count at sampling time (penalties, min_tokens bans): async scheduling then waits for its
-        in-flight token before scheduling it. A grammar's mask for the next token follows from
-        every token before it, so a constrained request reads token values too."""
+        in-flight token before scheduling it. A grammar's mask also follows from every token
+        before it, but only sampling needs it: the engine gives it to the launched step once the
+        token is in (see `sampling_row`)."""
         p = self.params
         return (
-            self.grammar is not None
-            or p.repetition_penalty != 1.0
+            p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or self.num_output_tokens + self.num_pending_tokens < p.min_tokens
@@ -165,15 +165,10 @@ class Request:
         row = self._sampling_row
         # Everything else in a row is fixed or follows from the token count: the token lists are
         # the request's own (live), and the bans depend on the output count (position - prompt).
-        if row is None or row.position != position:
-            grammar_mask = None
-            if self.grammar is not None:
-                if self.num_pending_tokens:
-                    raise RuntimeError(
-                        f"request {self.request_id!r} has a grammar and a token in flight: its "
-                        "mask needs every token before the next (reads_token_values)"
-                    )
-                grammar_mask = self.grammar.next_mask()
+        if row is None or row.position != position or row.grammar_pending:
+            # A grammar's mask needs every token before the next: with a token in flight the row
+            # says so, and is built again once the token is in.
+            pending = self.grammar is not None and self.num_pending_tokens > 0
             row = self._sampling_row = SamplingRow(
                 params=self.params,
                 seed=self.seed,
@@ -181,7 +176,10 @@ class Request:
                 prompt_token_ids=self.prompt_token_ids,
                 output_token_ids=self.output_token_ids,
                 banned_token_ids=tuple(self.banned_token_ids()),
-                grammar_mask=grammar_mask,
+                grammar_mask=(
+                    self.grammar.next_mask() if self.grammar is not None and not pending else None
+                ),
+                grammar_pending=pending,
             )
         return row
 

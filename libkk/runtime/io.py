@@ -92,18 +92,24 @@ class LaunchedStep:
 
     sched: SchedulerOutput
     request_ids: list[str]
-    # [S, W] int64 on the host (pinned on CUDA), valid once `copied` completed.
-    tokens: torch.Tensor
+    # [S, W] int64 on the host (pinned on CUDA), valid once `copied` completed; None while the
+    # step's sampling is pending.
+    tokens: torch.Tensor | None = None
     # Recorded after the device->host copies; None when the copies are already complete (CPU).
-    copied: torch.cuda.Event | None
+    copied: torch.cuda.Event | None = None
     # On the host like tokens; None when no request asked for logprobs.
     logprobs: LogprobTensors | None = None
     # [num_tokens, len(ids) * hidden] on the device, the step's aux hidden states (else None).
     aux: torch.Tensor | None = None
     # Each scheduled request's first row in the batch (query_start_loc), for `aux`.
     query_starts: list[int] = field(default_factory=list)
+    # Launched up to the hidden states, its sampling waiting for grammar masks: (the step's
+    # InputBatch, the hidden states) until `ModelRunner.sample_pending`.
+    pending: tuple | None = None
 
     def wait(self) -> RunnerOutput:
+        if self.pending is not None or self.tokens is None:
+            raise RuntimeError("the step's sampling is pending: its grammar masks were not given")
         if self.copied is not None:
             self.copied.synchronize()
         out = RunnerOutput()

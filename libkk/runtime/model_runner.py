@@ -33,6 +33,9 @@ from libkk.spec_decode.vocab_parallel import tp_gather
 
 
 class ModelRunner:
+    # A step's grammar masks may follow its launch (`sample_pending`).
+    defers_grammar_masks = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -142,7 +145,8 @@ class ModelRunner:
     def launch(self, sched_out: SchedulerOutput) -> LaunchedStep:
         """Enqueues the step (forward, sampling or verification) and the copy of its tokens to
         the host. Tokens marked `last_token_in_flight` are read from the previous launched
-        step's device ids."""
+        step's device ids. A step with a grammar row whose mask awaits its in-flight token is
+        launched up to the logits' hidden states: `sample_pending` samples it."""
         batch = build_input_batch(sched_out, self.block_size, self.device)
         self._gather_in_flight_inputs(sched_out, batch)
         for embedding in self.host_embeddings:  # rows of host tables, gathered before the forward
@@ -151,30 +155,51 @@ class ModelRunner:
             self._kv_scales_pending = kv_scale_calibration_pending(self.attention_layers)
         with _row_types(sched_out):
             hidden, aux = self.step_backends.run(batch, replays_allowed=not self._kv_scales_pending)
-        tokens, logprobs = self._sample(sched_out, batch, hidden)  # [S, W] on the device
-        request_ids = batch.sampling_request_ids
+        launched = LaunchedStep(
+            sched_out,
+            list(batch.sampling_request_ids),
+            aux=aux,
+            query_starts=batch.attn_metadata.query_start_loc_cpu[:-1],
+        )
+        if any(row.grammar_pending for row in batch.sampling_rows):
+            launched.pending = (batch, hidden)
+            self._in_flight_ids, self._in_flight_rows = None, {}
+        else:
+            self._sample_into(launched, batch, hidden)
+        return launched
+
+    @torch.inference_mode()
+    def sample_pending(self, launched: LaunchedStep, masks: dict[str, Tensor | None]) -> None:
+        """Samples a step launched with grammar rows whose masks awaited their in-flight tokens,
+        now known: `masks` by request id (None: sample the row unconstrained, for a request
+        that finished meanwhile and whose token is dropped)."""
+        assert launched.pending is not None
+        batch, hidden = launched.pending
+        launched.pending = None
+        batch.sampling_rows = [
+            dataclasses.replace(row, grammar_mask=masks[rid], grammar_pending=False)
+            if row.grammar_pending
+            else row
+            for rid, row in zip(batch.sampling_request_ids, batch.sampling_rows, strict=True)
+        ]
+        self._sample_into(launched, batch, hidden)
+
+    def _sample_into(self, launched: LaunchedStep, batch: InputBatch, hidden: Tensor) -> None:
+        """Samples or verifies the step's rows and starts their tokens' copy to the host."""
+        tokens, logprobs = self._sample(launched.sched, batch, hidden)  # [S, W] on the device
         if tokens.shape[1] == 1:  # each request's next input, for a step launched before wait
             self._in_flight_ids = tokens[:, 0]
-            self._in_flight_rows = {rid: i for i, rid in enumerate(request_ids)}
+            self._in_flight_rows = {rid: i for i, rid in enumerate(launched.request_ids)}
         else:
             self._in_flight_ids, self._in_flight_rows = None, {}
-        copied = None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
             tokens = host.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 logprobs = logprobs.to_host(non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return LaunchedStep(
-            sched_out,
-            list(request_ids),
-            tokens,
-            copied,
-            logprobs,
-            aux=aux,
-            query_starts=batch.attn_metadata.query_start_loc_cpu[:-1],
-        )
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        launched.tokens, launched.logprobs = tokens, logprobs
 
     def _gather_in_flight_inputs(self, sched_out: SchedulerOutput, batch: InputBatch) -> None:
         """Replaces placeholder input ids with the previous launched step's sampled ids, on the

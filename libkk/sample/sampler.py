@@ -39,6 +39,9 @@ class SamplingRow:
     # Structured output: the tokens the request's grammar allows next, an int32 bitmask
     # [ceil(grammar vocab / 32)] on the host; ids past it are disallowed. None: unconstrained.
     grammar_mask: Tensor | None = field(default=None, compare=False)
+    # Async scheduling: the row has a grammar whose mask needs the previous step's token, still
+    # in flight; the runner samples the row once the engine gives the mask (`sample_pending`).
+    grammar_pending: bool = False
 
     def keeps_raw_argmax(self) -> bool:
         """Whether the argmax of the raw logits survives this row's processing: no banned id and
@@ -47,6 +50,7 @@ class SamplingRow:
         return (
             not self.banned_token_ids
             and self.grammar_mask is None
+            and not self.grammar_pending
             and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0
@@ -140,6 +144,8 @@ class Sampler:
         num_rows, vocab_size = logits.shape  # logits [R, V]
         if len(rows) != num_rows:
             raise ValueError(f"got {len(rows)} sampling rows for {num_rows} rows of logits")
+        if any(row.grammar_pending for row in rows):
+            raise RuntimeError("a row's grammar mask is not known yet (its token is in flight)")
         device = logits.device
         x = logits.float()
         constrained = [i for i, row in enumerate(rows) if row.grammar_mask is not None]

@@ -17,6 +17,7 @@ from libkk import (
     Session,
     StructuredOutputError,
 )
+from libkk.runtime.model_runner import ModelRunner
 
 # Sampled generations per constraint (temperature 1, one seed each, one generate call).
 NUM_SAMPLES = 200
@@ -203,9 +204,11 @@ def test_preemption_keeps_outputs_valid(default_model_dir):
         assert o.token_ids == alone.token_ids
 
 
-def test_async_scheduling_gives_the_same_outputs(session, default_model_dir):
-    # Constrained rows wait for their previous token (reads_token_values); unconstrained rows
-    # beside them run as usual.
+@pytest.mark.parametrize("fail_once", [False, True], ids=["", "a-failed-sampling"])
+def test_async_scheduling_gives_the_same_outputs(session, default_model_dir, fail_once):
+    # A constrained row's step launches before its previous token is in; its mask is made when
+    # the token arrives, and the step sampled then (`sample_pending`). A sampling that fails
+    # runs the step again request by request.
     prompts = ["Today's date is", "Greet someone:", "Hello", "A user record as JSON:"]
     params = [
         SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured={"regex": DATE}),
@@ -221,6 +224,17 @@ def test_async_scheduling_gives_the_same_outputs(session, default_model_dir):
         async_scheduling=True,
         progress=False,
     ) as s:
+        runner = s.engine.runner
+        calls = []
+
+        def sample_pending(launched, masks):
+            calls.append(sorted(masks))
+            if fail_once and len(calls) == 3:
+                raise RuntimeError("injected")
+            return ModelRunner.sample_pending(runner, launched, masks)
+
+        runner.sample_pending = sample_pending
         async_ = s.generate(prompts, params)
+    assert len(calls) > 20  # the constrained rows' steps launched with their tokens in flight
     assert [o.token_ids for o in async_] == [o.token_ids for o in sync]
     assert [o.finish_reason for o in async_] == ["stop", "stop", "length", "stop"]

@@ -124,9 +124,15 @@ def test_request_with_grammar_finishes_with_stop(compiler):
         arrival_time=0.0,
         grammar=grammars.matcher(params.structured),
     )
-    assert r.reads_token_values()
+    # The mask waits for an in-flight token at sampling, not at scheduling (grammar_pending).
+    assert not r.reads_token_values()
+    r.num_pending_tokens = 1
+    pending = r.sampling_row()
+    assert pending.grammar_pending and pending.grammar_mask is None
+    assert not pending.keeps_raw_argmax()
+    r.num_pending_tokens = 0
     row = r.sampling_row()
-    assert row.grammar_mask is not None and not row.keeps_raw_argmax()
+    assert row.grammar_mask is not None and not row.grammar_pending and not row.keeps_raw_argmax()
     for t in tok.encode("yes", add_special_tokens=False):
         r.append_tokens([t], [None])
     assert r.status == RequestStatus.FINISHED_STOPPED and r.finished
