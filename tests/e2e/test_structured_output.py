@@ -172,12 +172,14 @@ def test_malformed_structured_field(session, structured, match):
     assert session.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
 
 
-def test_preemption_keeps_outputs_valid(default_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_keeps_outputs_valid(default_model_dir, async_scheduling):
     # 24 usable blocks of 4 tokens: far less than 8 constrained requests need at once.
     n = 8
     with Session(
         str(default_model_dir),
         device="cpu",
+        async_scheduling=async_scheduling,
         block_size=4,
         num_gpu_blocks=25,
         max_model_len=96,
