@@ -21,6 +21,7 @@ from torch import nn
 
 from libkk.distributed import all_reduce, get_tp_size
 from libkk.kernels.moe import SILU, ExpertActivation, expert_activation_ref, moe_topk_routing
+from libkk.layers.forward_context import get_forward_context
 from libkk.layers.linear import (
     Linear,
     check_shape,
@@ -30,6 +31,7 @@ from libkk.layers.linear import (
     tp_split,
 )
 from libkk.layers.quant_moe import QuantFusedMoE, current_moe_options, expert_biases
+from libkk.layers.registry import IndexedLayer
 
 
 def select_experts(
@@ -94,14 +96,19 @@ def fused_moe_ref(
     return out
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(IndexedLayer):
     """The experts of one MoE layer as two stacked weights (gated MLPs, `activation` between).
+
+    A compiled forward calls them through one opaque op (`libkk::experts`): traced, the routing
+    counts read on the host would break the graph and compile it again for every routing.
 
     Loading: a per-expert checkpoint tensor uses shard id `(expert, 0)` (gate / w1, or the down
     projection for w2) or `(expert, 1)` (up / w3); an already-stacked tensor (transformers 5
     in-memory layout `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) loads whole.
     Biases (`bias=True`) load the same way: w13_bias [E, 2I] by (expert, part), w2_bias [E, H].
     """
+
+    layer_kind = "experts"
 
     def __init__(
         self,
@@ -158,6 +165,13 @@ class FusedMoE(nn.Module):
         topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
         topk_ids: torch.Tensor,  # [num_tokens, top_k]
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if torch.compiler.is_compiling():
+            return torch.ops.libkk.experts(hidden, topk_weights, topk_ids, self.layer_key)
+        return self.run(hidden, topk_weights, topk_ids)
+
+    def run(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         return fused_moe_ref(
             hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias,
             self.w2_bias, self.activation,
@@ -169,6 +183,19 @@ class FusedMoE(nn.Module):
             f"intermediate={self.intermediate_size}, bias={self.w13_bias is not None}, "
             f"activation={self.activation.kind}"
         )
+
+
+@torch.library.custom_op("libkk::experts", mutates_args=())
+def _experts_op(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int
+) -> torch.Tensor:
+    layer = get_forward_context().layers.get(FusedMoE.layer_kind, layer_key)
+    return layer.run(hidden, topk_weights, topk_ids)
+
+
+@_experts_op.register_fake
+def _(hidden, topk_weights, topk_ids, layer_key):
+    return torch.empty_like(hidden)
 
 
 class SparseMoeBlock(nn.Module):

@@ -52,10 +52,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)
     ),
 }  # fmt: skip
+# Plain-torch experts read their routing counts on the host, so a model with them captures no
+# graphs; the packed 4-bit experts (static tiles, as both sessions must run the same) replay.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(moe_weight_format="nvfp4", tune_moe_tiles=False),
+}
 
 
 @pytest.fixture(scope="module")
-def family_dir(request, tmp_path_factory) -> Path:
+def family(request, tmp_path_factory) -> tuple[str, Path]:
     import transformers
 
     from tests.checkpoints import save_with_word_tokenizer
@@ -73,10 +78,10 @@ def family_dir(request, tmp_path_factory) -> Path:
                 p.copy_((0.0 if request.param == "gemma3" else 1.0) + 0.1 * noise)
             else:
                 p.copy_((0.05 if "embed_tokens" in name else 0.2) * noise)
-    return save_with_word_tokenizer(model, tmp_path_factory.mktemp(request.param))
+    return request.param, save_with_word_tokenizer(model, tmp_path_factory.mktemp(request.param))
 
 
-def _generate(path: Path, mode: str, compile_: bool) -> list[list[int]]:
+def _generate(path: Path, mode: str, compile_: bool, settings: dict[str, Any]) -> list[list[int]]:
     from libkk import SamplingParams, Session
 
     g = torch.Generator().manual_seed(5)
@@ -93,6 +98,7 @@ def _generate(path: Path, mode: str, compile_: bool) -> list[list[int]]:
         cudagraph_mode=mode,
         torch_compile=compile_,
         progress=False,
+        **settings,
     ) as s:
         if mode == "FULL":
             backends = s.engine.runner.step_backends
@@ -101,9 +107,11 @@ def _generate(path: Path, mode: str, compile_: bool) -> list[list[int]]:
         return [o.token_ids for o in s.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("family_dir", sorted(FAMILIES), indirect=True)
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
-def test_graph_replay_equals_eager(family_dir, compile_):
-    eager = _generate(family_dir, "NONE", compile_=False)
+def test_graph_replay_equals_eager(family, compile_):
+    name, path = family
+    settings = SETTINGS.get(name, {})
+    eager = _generate(path, "NONE", False, settings)
     assert all(len(t) == 40 for t in eager)
-    assert _generate(family_dir, "FULL", compile_=compile_) == eager
+    assert _generate(path, "FULL", compile_, settings) == eager

@@ -131,3 +131,47 @@ def test_piecewise_compile_traces_the_model_once(tiny_llama_dir):
         CompiledForward(model, backend=backend)(ids, pos)
     assert Counted.calls == 1
     assert len(compiles) == len(backend.pieces) == len(model.attention_layers()) + 1
+
+
+def test_plain_torch_experts_compile_without_graph_breaks(tmp_path):
+    """The plain-torch experts read their routing counts on the host: a compiled forward calls
+    them as one opaque op per layer (`libkk::experts`), so it traces as one graph, compiles once
+    whatever the routing, and gives the eager result."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from libkk.layers.forward_context import set_forward_context
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), progress=False)
+    kv = PagedKV(model, num_blocks=16, block_size=4)
+    steps = [
+        build_attn_metadata([([5, 6, 7, 8, 9], 0), ([11, 12, 13], 0)], [[3, 7], [5]], 4),
+        build_attn_metadata([([40, 41, 42, 43, 44, 45, 46], 0)], [[2, 4]], 4),
+    ]
+    ids, pos, metadata = steps[0]
+    torch._dynamo.reset()
+    with torch.no_grad(), set_forward_context(metadata, model):
+        explained = torch._dynamo.explain(model.forward)(ids, pos)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    experts = (torch.ops.libkk.experts, torch.ops.libkk.experts.default)
+    assert sum(op in experts for op in ops) == config.num_hidden_layers
+
+    torch._dynamo.reset()
+    frames = []
+    compiled = torch.compile(
+        model.forward, backend=lambda gm, _: frames.append(gm) or gm.forward, dynamic=True
+    )
+    for ids, pos, metadata in steps:  # different tokens, so different routings
+        with torch.no_grad(), set_forward_context(metadata, model):
+            eager = model.forward(ids, pos)
+            for cache in kv.caches:
+                cache.fill_(float("nan"))
+            torch.testing.assert_close(compiled(ids, pos), eager, rtol=1e-5, atol=1e-5)
+    assert len(frames) == 1
