@@ -148,7 +148,8 @@ class AdaptiveDrafts:
 
 @dataclasses.dataclass
 class _Backoff:
-    length: float  # the request's smoothed acceptance length
+    accepted: float = 0.0  # drafts accepted, older verifications decayed
+    rejected: float = 0.0  # verifications that rejected a draft, decayed alike
     skip: int = 0  # steps left without drafts
     wait: int = 0  # the next pause
 
@@ -156,20 +157,24 @@ class _Backoff:
 class DraftBackoff:
     """Stops drafting for a request whose drafts do not pay for themselves, then looks again.
 
-    A request's acceptance length (tokens a verification emits) is smoothed over its
-    verifications; while it is below `break_even` (a step that drafts and verifies over a plain
-    step, in time, measured at start-up), the request drafts nothing for a pause that doubles each
-    time (FIRST_PAUSE up to MAX_PAUSE steps: looking costs ~1% of a long output), then drafts
-    once to look again. Decisions read the
-    request's own tokens and the session's break-even only, so a request drafts the same alone or
-    in any batch, and greedy output is the plain output whatever is decided.
+    Each draft is taken to be accepted with one rate a: from a request's verifications (drafts
+    accepted, and whether one was rejected; older verifications decayed by DECAY each) a is
+    estimated as (accepted + 1) / (accepted + rejected + 2), which one unlucky verification does
+    not push far, and K drafts are worth (1 - a^(K+1)) / (1 - a) tokens a verification. While
+    that is below `break_even` (a step that drafts and verifies K tokens over a plain step, in
+    time, measured at start-up), the request drafts nothing for a pause that doubles each time
+    (FIRST_PAUSE up to MAX_PAUSE steps: looking costs ~1% of a long output), then drafts once to
+    look again. Decisions read the request's own tokens and the session's break-even only, so a
+    request drafts the same alone or in any batch, and greedy output is the plain output
+    whatever is decided.
     """
 
-    WEIGHT = 0.5  # of a new verification in the smoothed length
+    DECAY = 0.9
     FIRST_PAUSE, MAX_PAUSE = 8, 128
 
-    def __init__(self, break_even: float) -> None:
+    def __init__(self, break_even: float, num_drafts: int) -> None:
         self.break_even = break_even
+        self.num_drafts = num_drafts
         self._requests: dict[str, _Backoff] = {}
 
     def wants_drafts(self, request_id: str) -> bool:
@@ -180,17 +185,23 @@ class DraftBackoff:
         state.skip -= 1
         return False
 
-    def observe(self, request_id: str, num_emitted: int) -> None:
-        """A verification of the request's drafts emitted `num_emitted` tokens."""
-        # Until its first verification a request is taken to break even: it drafts, and one
-        # verification below the break-even pauses it.
-        state = self._requests.setdefault(request_id, _Backoff(length=self.break_even))
-        state.length += self.WEIGHT * (num_emitted - state.length)
-        if state.length < self.break_even:
+    def observe(self, request_id: str, num_emitted: int, num_verified: int) -> None:
+        """A verification of `num_verified` drafts of the request emitted `num_emitted` tokens
+        (the accepted drafts and one more)."""
+        state = self._requests.setdefault(request_id, _Backoff())
+        accepted = num_emitted - 1
+        state.accepted = self.DECAY * state.accepted + accepted
+        state.rejected = self.DECAY * state.rejected + (accepted < num_verified)
+        if self.expected_length(state) < self.break_even:
             state.wait = min(2 * state.wait, self.MAX_PAUSE) if state.wait else self.FIRST_PAUSE
             state.skip = state.wait
         else:
             state.wait = 0
+
+    def expected_length(self, state: _Backoff) -> float:
+        """Tokens a verification of num_drafts drafts emits at the request's estimated rate."""
+        rate = (state.accepted + 1) / (state.accepted + state.rejected + 2)
+        return sum(rate**i for i in range(self.num_drafts + 1))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -244,7 +255,9 @@ class Speculation:
             for scheduled in sched_out.requests:
                 tokens = runner_out.sampled_token_ids.get(scheduled.request_id)
                 if scheduled.num_spec_tokens and tokens:
-                    self.backoff.observe(scheduled.request_id, len(tokens))
+                    self.backoff.observe(
+                        scheduled.request_id, len(tokens), scheduled.num_spec_tokens
+                    )
         for rid, (start, hidden) in runner_out.aux_hidden.items():
             request = live.get(rid)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -395,7 +408,7 @@ def build_speculation(
     if backs_off:
         break_even = break_even_length(cost, spec.num_speculative_tokens)
         logger.info("drafting pays from an acceptance length of %.2f", break_even)
-        backoff = DraftBackoff(break_even)
+        backoff = DraftBackoff(break_even, spec.num_speculative_tokens)
     return Speculation(
         proposer,
         adaptive,

@@ -1,5 +1,6 @@
 """DraftBackoff: a request whose drafts do not pay stops drafting for pauses that double, looks
-again after each, and drafts on once its acceptance length is back above the break-even."""
+again after each, and drafts on once its estimated acceptance is back above the break-even; one
+unlucky verification among good ones does not pause it."""
 
 from __future__ import annotations
 
@@ -9,47 +10,65 @@ import pytest
 from libkk.engine.speculation import DraftBackoff, break_even_length
 from libkk.spec_decode.adaptive import CostModel
 
+K = 4
 
-def _drafted_steps(backoff: DraftBackoff, emitted_per_verification: int, steps: int) -> list[int]:
-    """The steps (0-based) at which the request drafted, each verification emitting the same."""
+
+def _drafted_steps(backoff: DraftBackoff, emitted: list[int], steps: int) -> list[int]:
+    """The steps (0-based) at which the request drafted; its verifications emit `emitted` in
+    turn (the last one repeated)."""
     drafted = []
     for step in range(steps):
         if backoff.wants_drafts("r"):
+            backoff.observe("r", emitted[min(len(drafted), len(emitted) - 1)], K)
             drafted.append(step)
-            backoff.observe("r", emitted_per_verification)
     return drafted
 
 
 def test_poor_drafts_pause_for_doubling_stretches():
-    backoff = DraftBackoff(break_even=2.0)
-    # 1 token a verification (every draft rejected): pauses of 8, 16, 32, 64, 128, 128, ...
-    assert _drafted_steps(backoff, 1, 400) == [0, 9, 26, 59, 124, 253, 382]
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    # 1 token a verification (every first draft rejected): pauses of 8, 16, 32, 64, 128, 128, ...
+    assert _drafted_steps(backoff, [1], 400) == [0, 9, 26, 59, 124, 253, 382]
 
 
 def test_good_drafts_never_pause():
-    backoff = DraftBackoff(break_even=2.0)
-    assert _drafted_steps(backoff, 4, 50) == list(range(50))
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    assert _drafted_steps(backoff, [4], 50) == list(range(50))
+
+
+def test_an_unlucky_first_verification_does_not_pause_a_request_whose_drafts_pay():
+    # Where drafting costs little over a plain step (a GPU's break-even near 1), a first
+    # verification that rejects every draft says little about the rate: drafting goes on.
+    backoff = DraftBackoff(break_even=1.1, num_drafts=K)
+    assert _drafted_steps(backoff, [1, 4, 5, 1, 1, 3], 60) == list(range(60))
+    # Where it costs twice a plain step, the same verification pauses it.
+    assert _drafted_steps(DraftBackoff(2.0, K), [1, 4], 12) == [0, 9, 10, 11]
 
 
 def test_a_request_that_recovers_drafts_on_and_its_pause_restarts():
-    backoff = DraftBackoff(break_even=2.0)
-    backoff.observe("r", 2)  # smoothed 2.0 -> 2.0: not below, still drafting
-    assert backoff.wants_drafts("r")
-    backoff.observe("r", 1)  # 1.5: a pause of 8
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    backoff.observe("r", 1, K)  # rate 1/3: 1.49 tokens a verification, a pause of 8
     assert [backoff.wants_drafts("r") for _ in range(9)] == [False] * 8 + [True]
-    backoff.observe("r", 5)  # 3.25: pays again
+    backoff.observe("r", 5, K)  # every draft accepted: pays again
     assert all(backoff.wants_drafts("r") for _ in range(20))
-    backoff.observe("r", 1)
-    backoff.observe("r", 1)  # below again: the pause starts over at 8, not 16
+    for _ in range(3):
+        backoff.observe("r", 1, K)  # below again: the pause starts over at 8, not 16
     assert [backoff.wants_drafts("r") for _ in range(9)] == [False] * 8 + [True]
     backoff.forget("r")
     assert backoff.wants_drafts("r")
 
 
+def test_fewer_drafts_than_the_session_drafts_count_as_all_accepted():
+    # A request near its max_tokens verifies 2 drafts: both accepted is no rejection.
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    for _ in range(10):
+        backoff.observe("r", 3, 2)
+    assert backoff.wants_drafts("r")
+
+
 def test_requests_back_off_apart():
-    backoff = DraftBackoff(break_even=2.0)
-    backoff.observe("poor", 1)
-    backoff.observe("good", 5)
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    backoff.observe("poor", 1, K)
+    backoff.observe("good", 5, K)
     assert not backoff.wants_drafts("poor") and backoff.wants_drafts("good")
 
 
