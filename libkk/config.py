@@ -181,8 +181,9 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # Verify only the drafts worth their cost under an online acceptance estimate, with step costs
     # profiled at start-up (libkk/engine/speculation.py); the output is unchanged.
     adaptive_verification: bool = False
-    # Stop drafting for a request while its drafts do not pay: its acceptance length below what
-    # a drafting step costs over a plain one (timed at start-up), looking again after a pause
+    # Stop drafting for a request while its drafts do not pay: the acceptance length its
+    # estimated per-draft rate gives below what a drafting step costs over a plain one (timed at
+    # start-up), looking again after a pause
     # that doubles (engine/speculation.py, DraftBackoff). Greedy output is unchanged; one process
     # only (ignored with tensor parallelism).
     draft_backoff: bool = True
