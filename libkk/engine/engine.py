@@ -351,9 +351,7 @@ class Engine:
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - as a failed launch
-            _log_failed_step(e)
-            self.scheduler.undo_launch(step.sched_out, step.sampled)
-            outputs += self._run_alone(step.sched_out)
+            outputs += self._run_launched_alone(step, e)
             return None
         return step
 
@@ -370,12 +368,17 @@ class Engine:
         except Exception as e:
             if not retry:
                 raise
-            _log_failed_step(e)
-            self.scheduler.undo_launch(step.sched_out, step.sampled)
-            return self._run_alone(step.sched_out)
+            return self._run_launched_alone(step, e)
         outputs = self._take_tokens(step, runner_out)
         self.speculation.record_step(step.sched_out, time.perf_counter() - step_start)
         return outputs
+
+    def _run_launched_alone(self, step: InFlightStep, e: Exception) -> list[RequestOutput]:
+        """A launched step that failed before its tokens came: its launch taken back, its
+        requests run again one by one."""
+        _log_failed_step(e)
+        self.scheduler.undo_launch(step.sched_out, step.sampled)
+        return self._run_alone(step.sched_out)
 
     def _take_tokens(self, step: InFlightStep, runner_out: RunnerOutput) -> list[RequestOutput]:
         """A finished step's tokens appended, its outputs handed out, the next drafts made."""

@@ -17,15 +17,20 @@ def _step(tiny_llama_dir):
     return model, kv, ids, pos, metadata
 
 
-def test_the_compiled_forward_has_no_graph_break(tiny_llama_dir):
+def _one_graph_ops(model, ids, pos, metadata) -> list:
+    """The functions the traced forward calls, asserting it traced as one graph, unbroken."""
     from libkk.layers.forward_context import set_forward_context
 
-    model, _, ids, pos, metadata = _step(tiny_llama_dir)
     torch._dynamo.reset()
     with torch.no_grad(), set_forward_context(metadata, model):
         explained = torch._dynamo.explain(model.forward)(ids, pos)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    return [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+def test_the_compiled_forward_has_no_graph_break(tiny_llama_dir):
+    model, _, ids, pos, metadata = _step(tiny_llama_dir)
+    ops = _one_graph_ops(model, ids, pos, metadata)
     attention = (torch.ops.libkk.attention, torch.ops.libkk.attention.default)
     assert sum(op in attention for op in ops) == len(model.attention_layers())
 
@@ -154,12 +159,7 @@ def test_plain_torch_experts_compile_without_graph_breaks(tmp_path):
         build_attn_metadata([([5, 6, 7, 8, 9], 0), ([11, 12, 13], 0)], [[3, 7], [5]], 4),
         build_attn_metadata([([40, 41, 42, 43, 44, 45, 46], 0)], [[2, 4]], 4),
     ]
-    ids, pos, metadata = steps[0]
-    torch._dynamo.reset()
-    with torch.no_grad(), set_forward_context(metadata, model):
-        explained = torch._dynamo.explain(model.forward)(ids, pos)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
-    ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    ops = _one_graph_ops(model, *steps[0])
     experts = (torch.ops.libkk.experts, torch.ops.libkk.experts.default)
     assert sum(op in experts for op in ops) == config.num_hidden_layers
 
