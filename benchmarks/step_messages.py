@@ -62,7 +62,7 @@ class DecodeSteps:
             if tokens > 16 * len(blocks):
                 blocks.append(blocks[-1] + 1)
             row = SamplingRow(params, 0, tokens, prompt, outputs)
-            scheduled.append(ScheduledRequest(rid, [outputs[-1]], tokens - 1, blocks, row))
+            scheduled.append(ScheduledRequest(rid, [outputs[-1]], tokens - 1, [blocks], row))
         return SchedulerOutput(scheduled, kind=DECODE_STEP)
 
 

@@ -31,7 +31,11 @@ from torch import nn
 from tqdm import tqdm
 
 from libkk.distributed import lockstep, track_captured_graph
-from libkk.layers.forward_context import AttentionMetadata, set_forward_context
+from libkk.layers.forward_context import (
+    AttentionMetadata,
+    grouped_metadata,
+    set_forward_context,
+)
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))
 
@@ -77,6 +81,7 @@ class DecodeGraphs:
         query_lens: Sequence[int] = (1,),
         middle_lens_max_size: int | None = None,
         stash: Callable[[], torch.Tensor | None] | None = None,
+        num_kv_groups: int = 1,
     ) -> None:
         if not capture_sizes:
             raise ValueError("capture_sizes is empty")
@@ -92,7 +97,7 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
         self.block_size = block_size
-        n, dev = self.max_size, device
+        n, dev, g = self.max_size, device, num_kv_groups
         t = n * self.query_lens[-1]
         # Static inputs. Rows past a batch's size keep the padding values set here: token 0 at
         # position 0, writing to slot 0 (the null block), attending to the null block alone.
@@ -101,10 +106,11 @@ class DecodeGraphs:
         with torch.inference_mode():
             self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
             self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
-            self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=dev)
+            # Every KV group's slot mapping and block table (docs/memory.md).
+            self.slot_mapping = torch.zeros(g, t, dtype=torch.int64, device=dev)
             self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
             self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-            self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+            self.block_table = torch.zeros(g, n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.stashed: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -120,14 +126,14 @@ class DecodeGraphs:
             self._q = q
 
     def _metadata(self, q: int, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[: size * q],
+        return grouped_metadata(
+            self.slot_mapping[:, : size * q],
+            self.block_table[:, :size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
             block_size=self.block_size,
             max_query_len=q,
-            max_seq_len=self.block_table.shape[1] * self.block_size,
+            max_seq_len=self.block_table.shape[2] * self.block_size,
             query_start_loc_cpu=[i * q for i in range(size + 1)],
             seq_lens_cpu=[q] * size,
         )
@@ -191,13 +197,13 @@ class DecodeGraphs:
             not self.graphs
             or q is None
             or n > self.max_size
-            or metadata.block_table.shape[1] > self.block_table.shape[1]
+            or metadata.block_table.shape[1] > self.block_table.shape[2]
         ):
             return False
         if num_tokens == n * q:
             return True
         # Ragged: padding rows extend each short request's sequence; it must fit the block table.
-        capacity = self.block_table.shape[1] * self.block_size
+        capacity = self.block_table.shape[2] * self.block_size
         starts = metadata.query_start_loc_cpu
         return all(
             seq_len + q - (starts[i + 1] - starts[i]) <= capacity
@@ -218,7 +224,7 @@ class DecodeGraphs:
         if t == n * q:
             self.input_ids[:t].copy_(input_ids)
             self.positions[:t].copy_(positions)
-            self.slot_mapping[:t].copy_(metadata.slot_mapping)
+            self.slot_mapping[:, :t].copy_(metadata.slot_mappings)
             self.seq_lens[:n].copy_(metadata.seq_lens)
         else:
             starts = metadata.query_start_loc_cpu
@@ -228,23 +234,23 @@ class DecodeGraphs:
                 device=self.input_ids.device,
             )
             for buffer, real in (
-                (self.input_ids, input_ids),
-                (self.positions, positions),
-                (self.slot_mapping, metadata.slot_mapping),
+                (self.input_ids[None], input_ids[None]),
+                (self.positions[None], positions[None]),
+                (self.slot_mapping, metadata.slot_mappings),
             ):
-                buffer[: n * q].zero_()  # padding rows: token 0 at position 0, the null slot
-                buffer.index_copy_(0, rows, real)
+                buffer[:, : n * q].zero_()  # padding rows: token 0 at position 0, the null slot
+                buffer.index_copy_(1, rows, real)
             padded_lens = [s + q - num for s, num in zip(metadata.seq_lens_cpu, lens, strict=True)]
             self.seq_lens[:n].copy_(torch.tensor(padded_lens, dtype=torch.int32))
         width = metadata.block_table.shape[1]
         # Columns past `width` may hold older tables; real rows read only blocks < their seq_len.
-        self.block_table[:n, :width].copy_(metadata.block_table)
+        self.block_table[:, :n, :width].copy_(metadata.block_tables)
         if size > n:  # rows a previous, larger batch used: back to padding
             self.input_ids[n * q : size * q].zero_()
             self.positions[n * q : size * q].zero_()
-            self.slot_mapping[n * q : size * q].zero_()
+            self.slot_mapping[:, n * q : size * q].zero_()
             self.seq_lens[n:size].fill_(q)
-            self.block_table[n:size, 0].zero_()
+            self.block_table[:, n:size, 0].zero_()
         self.graphs[q, size].replay()
         hidden, stashed = self.outputs[q, size], self.stashed[q, size]
         if rows is None:
@@ -259,9 +265,9 @@ class DecodeGraphs:
         t = size * q
         self.input_ids[:t].zero_()
         self.positions[:t].zero_()
-        self.slot_mapping[:t].zero_()
+        self.slot_mapping[:, :t].zero_()
         self.seq_lens[:size].fill_(q)
-        self.block_table[:size].zero_()
+        self.block_table[:, :size].zero_()
         self.graphs[q, size].replay()
         return self.outputs[q, size]
 
@@ -291,6 +297,7 @@ class MixedGraphs:
         block_size: int,
         device: torch.device,
         stash: Callable[[], torch.Tensor | None] | None = None,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         # A request slot holds at most a block table row of tokens: a size whose tokens the
@@ -307,15 +314,17 @@ class MixedGraphs:
         self.max_size = self.sizes[-1]
         self.pad_to = padded_size_table(self.sizes)
         self.block_size = block_size
-        t, r = self.max_size, self._slots(self.max_size)
+        t, r, g = self.max_size, self._slots(self.max_size), num_kv_groups
         with torch.inference_mode():  # inference tensors, as in DecodeGraphs
             self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
             self.positions = torch.zeros(t, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.zeros(g, t, dtype=torch.int64, device=device)
             self.padding_positions = torch.arange(t, dtype=torch.int64, device=device)
             self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
             self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
-            self.block_table = torch.zeros(r, max_blocks_per_seq, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(
+                g, r, max_blocks_per_seq, dtype=torch.int32, device=device
+            )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.stashed: dict[int, torch.Tensor | None] = {}
@@ -326,16 +335,16 @@ class MixedGraphs:
 
     def _metadata(self, size: int, starts: list[int], seq_lens: list[int]) -> AttentionMetadata:
         r = self._slots(size)
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+        return grouped_metadata(
+            self.slot_mapping[:, :size],
+            self.block_table[:, :r],
             query_start_loc=self.query_start_loc[: r + 1],
             seq_lens=self.seq_lens[:r],
-            block_table=self.block_table[:r],
             block_size=self.block_size,
             # The graph's own choice of attention kernel, right for any split of its tokens:
             # more request slots than one, so never the uniform decode path.
             max_query_len=size,
-            max_seq_len=self.block_table.shape[1] * self.block_size,
+            max_seq_len=self.block_table.shape[2] * self.block_size,
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
@@ -346,7 +355,7 @@ class MixedGraphs:
             and 2 <= num_tokens <= self.max_size
             and self.pad_to[num_tokens] - num_tokens <= self.capacity  # one padding request
             and metadata.num_reqs <= self.max_num_seqs
-            and metadata.block_table.shape[1] <= self.block_table.shape[1]
+            and metadata.block_table.shape[1] <= self.block_table.shape[2]
         )
 
     def stage(
@@ -361,16 +370,16 @@ class MixedGraphs:
         self.input_ids[t:size].zero_()
         self.positions[:t].copy_(positions)
         self.positions[t:size].copy_(self.padding_positions[:pad])
-        self.slot_mapping[:t].copy_(metadata.slot_mapping)
-        self.slot_mapping[t:size].zero_()
+        self.slot_mapping[:, :t].copy_(metadata.slot_mappings)
+        self.slot_mapping[:, t:size].zero_()
         self.query_start_loc[: n + 1].copy_(metadata.query_start_loc)
         self.query_start_loc[n + 1 : r + 1].fill_(size)  # the padding request ends at size
         self.seq_lens[:n].copy_(metadata.seq_lens)
         self.seq_lens[n].fill_(pad)
         self.seq_lens[n + 1 : r].zero_()
         # Columns past `width` may hold older tables; real rows read only blocks < their seq_len.
-        self.block_table[:n, : metadata.block_table.shape[1]].copy_(metadata.block_table)
-        self.block_table[n].zero_()
+        self.block_table[:, :n, : metadata.block_table.shape[1]].copy_(metadata.block_tables)
+        self.block_table[:, n].zero_()
         starts = [*metadata.query_start_loc_cpu, *([size] * (r - n))]
         seq_lens = [*metadata.seq_lens_cpu, pad, *([0] * (r - n - 1))]
         return size, self._metadata(size, starts, seq_lens)
@@ -405,10 +414,10 @@ class MixedGraphs:
             starts.append(starts[-1] + c)
         self.input_ids[:size].zero_()
         self.positions[:size].copy_(torch.cat([self.padding_positions[:c] for c in counts if c]))
-        self.slot_mapping[:size].zero_()
+        self.slot_mapping[:, :size].zero_()
         self.query_start_loc[: r + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         self.seq_lens[:r].copy_(torch.tensor(counts, dtype=torch.int32))
-        self.block_table[:r].zero_()
+        self.block_table[:, :r].zero_()
         return self._metadata(size, starts, counts)
 
     def run(

@@ -1,7 +1,9 @@
 """The pool of paged KV-cache blocks: reference counts, an LRU free queue and the prefix-hash map.
 
 Pure bookkeeping, no tensors. Block `i` is the run of `block_size` token slots at index `i` of
-dimension 1 of every layer's `[2, num_blocks, block_size, num_kv_heads, head_dim]` cache tensor.
+dimension 1 of every KV tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`. Where a
+model's layers keep separate KV groups (docs/memory.md) a block serves one group at a time, and
+cached blocks are found by (group, hash): the same tokens have different KV in each group.
 
 Block 0 is the null block: padded rows of a batch write there, so it is never handed out, freed,
 touched or cached.
@@ -15,8 +17,9 @@ Invariants (`check_invariants` verifies them all):
 - every ref_cnt >= 0; the null block's ref_cnt is 0 and it is never in the free queue or hash map;
 - a block is in the free queue iff its ref_cnt == 0 and it is not the null block;
 - in the free queue, every block without a hash comes before every block with one;
-- the hash map holds `h -> block` iff `block.block_hash == h`; such a block stores the preimage of
-  `h` (its parent's hash and its own token ids), against which every hit is verified.
+- the hash map holds `(g, h) -> block` iff `block.block_hash == h` and `block.group == g`; such a
+  block stores the preimage of `h` (its parent's hash and its own token ids), against which every
+  hit is verified.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class KVCacheBlock:
     # The preimage of block_hash (parent hash, own tokens), kept to verify hits.
     parent_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
+    # The KV group whose layers' KV the cached block holds (0: the only group of most models).
+    group: int = 0
 
     @property
     def is_null(self) -> bool:
@@ -50,6 +55,7 @@ class KVCacheBlock:
         self.block_hash = None
         self.parent_hash = None
         self.token_ids = None
+        self.group = 0
 
 
 class BlockPool:
@@ -69,7 +75,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._cached: dict[tuple[int, BlockHash], KVCacheBlock] = {}
         # Called with a cached block just before it is evicted (its hash and preimage intact),
         # e.g. to keep its KV in a host tier.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
@@ -99,15 +105,17 @@ class BlockPool:
         block_hash: BlockHash,
         token_ids: Sequence[int],
         parent_hash: BlockHash | None = None,
+        group: int = 0,
     ) -> KVCacheBlock | None:
-        """The cached block for this hash, if its stored preimage equals (parent_hash, token_ids).
+        """The group's cached block for this hash, if its stored preimage equals (parent_hash,
+        token_ids).
 
         `parent_hash` is None for the first block of a sequence. Checking the whole preimage, not
         only the hash, means a hash collision can cost a miss but never serve wrong KV.
         """
         if not self.enable_caching:
             return None
-        block = self._cached.get(block_hash)
+        block = self._cached.get((group, block_hash))
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None
         return block
@@ -162,8 +170,10 @@ class BlockPool:
         block_hash: BlockHash,
         token_ids: Sequence[int],
         parent_hash: BlockHash | None = None,
+        group: int = 0,
     ) -> bool:
-        """Registers a full, in-use block under its chained hash; True if it is now findable.
+        """Registers a full, in-use block of a KV group under its chained hash; True if it is
+        now findable.
 
         If another block already holds this hash (the same content computed twice concurrently,
         or a collision), the first one stays and this block remains private: False.
@@ -173,15 +183,16 @@ class BlockPool:
         if block.is_null or block.ref_cnt == 0:
             raise ValueError(f"only a block in use can be cached, not block {block.block_id}")
         if block.block_hash is not None:
-            if block.block_hash != block_hash:
+            if (block.group, block.block_hash) != (group, block_hash):
                 raise ValueError(f"block {block.block_id} is already cached under another hash")
             return True
-        if block_hash in self._cached:
+        if (group, block_hash) in self._cached:
             return False
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
-        self._cached[block_hash] = block
+        block.group = group
+        self._cached[group, block_hash] = block
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -197,7 +208,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.on_evict is not None:
                 self.on_evict(block)
-            del self._cached[block.block_hash]
+            del self._cached[block.group, block.block_hash]
             block._clear_hash()
 
     # -- checking ------------------------------------------------------------------------------
@@ -216,10 +227,11 @@ class BlockPool:
                 fail(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
             if (block.block_id in self._free) != (block.ref_cnt == 0):
                 fail(f"block {block.block_id} (ref_cnt {block.ref_cnt}) free-queue mismatch")
-            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+            key = (block.group, block.block_hash)
+            if block.block_hash is not None and self._cached.get(key) is not block:
                 fail(f"block {block.block_id} has a hash the map does not point back to")
-        for block_hash, block in self._cached.items():
-            if block.block_hash != block_hash or block.token_ids is None:
+        for (group, block_hash), block in self._cached.items():
+            if (block.group, block.block_hash) != (group, block_hash) or block.token_ids is None:
                 fail(f"hash map entry for block {block.block_id} does not match the block")
             if prefix_cache.hash_block_tokens(block.parent_hash, block.token_ids) != block_hash:
                 fail(f"block {block.block_id} stores tokens that do not hash to its key")

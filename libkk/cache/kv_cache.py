@@ -1,11 +1,15 @@
-"""The KV cache tensors: how big a block is, how many blocks fit, and allocating them."""
+"""The KV cache tensors: how layers share them (KV groups), how big a block is, how many blocks
+fit, and allocating them."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from libkk.cache.kv_cache_manager import window_blocks_per_seq
 from libkk.config import CacheConfig
 from libkk.errors import ConfigError
 
@@ -14,6 +18,68 @@ _MiB = 1 << 20
 # Without an explicit budget the CPU cache takes at most this much (as vLLM's CPU backend does):
 # RAM is shared with the rest of the host process.
 CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How a model's attention layers keep their KV (docs/memory.md).
+
+    One group (most models): each layer has its own KV tensor and every layer reads a request's
+    one block table. A hybrid model (sliding and full layers: Gemma 3, gpt-oss) keeps separate
+    groups: its layers of one kind (one window, or none) in groups of `group_size`, each group
+    with its own block table per request, so its windowed groups release blocks before their
+    window while its full groups keep every block. `group_size` KV tensors are allocated, and
+    tensor j serves layer j of every group: a block id names a block of one group's layers, and
+    the pool is shared by all groups.
+    """
+
+    windows: tuple[int | None, ...]  # per group: its layers' window (None: full attention)
+    layer_groups: tuple[int, ...]  # per attention layer (the model's order): its group
+    layer_tensors: tuple[int, ...]  # per attention layer: the KV tensor it uses
+    group_size: int  # KV tensors: the layers a block id holds KV for
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def plan_kv_groups(layer_windows: Sequence[int | None], separate: bool = True) -> KVGroups:
+    """The KV groups of a model whose attention layers have these windows (None: full).
+
+    Layers of several kinds (windows) form separate groups when `separate` (a host KV tier,
+    which copies a block's every layer, does not take them): the smallest kind's layer count is
+    the group size, and each kind fills groups of that size in layer order (its last group may
+    be short; its missing tensors' share of those blocks goes unused). Otherwise one group,
+    windowed only when every layer is (the widest window)."""
+    n = len(layer_windows)
+    kinds = list(dict.fromkeys(layer_windows))  # in order of first appearance
+    if len(kinds) <= 1 or not separate:
+        windowed = n > 0 and all(w is not None for w in layer_windows)
+        window = max(w for w in layer_windows if w is not None) if windowed else None
+        return KVGroups((window,), (0,) * n, tuple(range(n)), n)
+    size = min(layer_windows.count(kind) for kind in kinds)
+    windows: list[int | None] = []
+    layer_groups, layer_tensors = [0] * n, [0] * n
+    for kind in kinds:
+        layers = [i for i, w in enumerate(layer_windows) if w == kind]
+        for at in range(0, len(layers), size):
+            for j, layer in enumerate(layers[at : at + size]):
+                layer_groups[layer], layer_tensors[layer] = len(windows), j
+            windows.append(kind)
+    return KVGroups(tuple(windows), tuple(layer_groups), tuple(layer_tensors), size)
+
+
+def kv_blocks_per_seq(
+    groups: KVGroups, max_model_len: int, block_size: int, max_step_tokens: int
+) -> int:
+    """The most blocks one sequence of `max_model_len` tokens holds at once, every group
+    together: a full group holds all its blocks, a windowed group those of its window and of
+    the last two steps (`window_blocks_per_seq`)."""
+    full = -(-max_model_len // block_size)
+    return sum(
+        full if w is None else min(full, window_blocks_per_seq(w, block_size, max_step_tokens))
+        for w in groups.windows
+    )
 
 
 def kv_cache_bytes_per_block(
@@ -42,15 +108,15 @@ def determine_num_blocks(
     The count is capped at `max_blocks_useful` (max_num_seqs * ceil(max_model_len / block_size) + 1:
     more could never be used) and is at least 2. Raises ConfigError if the cache cannot hold one
     sequence of `max_model_len` tokens (when given) or, without it, fewer than 2 blocks fit.
-    `seq_blocks`: the most blocks such a sequence holds at once, when fewer than
-    ceil(max_model_len / block_size) (a model whose every layer has a sliding window).
+    `seq_blocks`: the most blocks such a sequence holds at once (`kv_blocks_per_seq`), when not
+    ceil(max_model_len / block_size) (windowed layers, separate KV groups).
     """
     if bytes_per_block < 1:
         raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
     block_size = cache_config.block_size
     num_needed = 2 if max_model_len is None else -(-max_model_len // block_size) + 1
     if max_model_len is not None and seq_blocks is not None:
-        num_needed = min(num_needed, seq_blocks + 1)
+        num_needed = seq_blocks + 1
     what = (
         "the cache" if max_model_len is None else f"one sequence of max_model_len={max_model_len}"
     )

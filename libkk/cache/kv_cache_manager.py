@@ -15,29 +15,35 @@ cached.
 A block cached in one step may be hit by another request in the same step, before its KV exists:
 that is sound because every attention layer stores the whole batch's new K/V before it attends.
 
-Sliding window (`sliding_window=W`: every attention layer of the model sees only keys in
-(p - W, p] for a query at p). A request then needs only the blocks that hold positions from
-`start - W + 1` on, where `start` is the first position its step computes. Each `allocate_slots`
-releases the request's leading blocks wholly before `min(previous start, start) - W + 1` and
-puts the null block in their table entries, so block i still holds positions
-[i*block_size, (i+1)*block_size) and the kernels, which begin at the window, never read the
-freed entries. The previous step's start counts until `step_finished` says that step is done:
-under async scheduling it is still in flight and, if it fails, is run again from that start.
-From its second decode step on (its third under async scheduling) a request thus holds at most
-ceil(W / block_size) + 1 blocks; at any time at most
-`window_blocks_per_seq(W, block_size, max_step_tokens)`. A freed block that was cached stays
-findable (its KV is a function of its prefix alone) until the pool hands it out again. A prefix
-hit needs only the cached blocks of the window before its end: `get_computed_blocks` finds the
-longest prefix whose last ceil((W - 1) / block_size) blocks are cached (earlier blocks may be
-gone) and returns the null block for the ones before them. Hybrid models (some layers with full
-attention) keep every block: pass no window.
+KV groups (`windows`, one entry per group; docs/memory.md). Most models have one group: every
+attention layer reads the request's one block table. A hybrid model (Gemma 3, gpt-oss: sliding and
+full layers) keeps its layers in groups of one kind, each with its own block table per request;
+the pool is shared, and a block id names one block of the group's layers. Every group's table
+has the same length (entry i names positions [i*block_size, (i+1)*block_size)), so a request
+takes as many new blocks in each group.
+
+Sliding window (a group whose window is W: its layers see only keys in (p - W, p] for a query at
+p). Its table needs only the blocks that hold positions from `start - W + 1` on, where `start` is
+the first position the step computes. Each `allocate_slots` releases the group's leading blocks
+wholly before `min(previous start, start) - W + 1` and puts the null block in their table
+entries, and the kernels, which begin at the window, never read the freed entries. The previous
+step's start counts until `step_finished` says that step is done: under async scheduling it is
+still in flight and, if it fails, is run again from that start. From its second decode step on
+(its third under async scheduling) a request thus holds at most ceil(W / block_size) + 1 blocks of
+the group; at any time at most `window_blocks_per_seq(W, block_size, max_step_tokens)`. A freed
+block that was cached stays findable (its KV is a function of its prefix alone) until the pool
+hands it out again. A prefix hit of k blocks needs, in each full group, blocks 0 .. k - 1 and, in
+each windowed group, the blocks of the window before its end (blocks k - n .. k - 1, n =
+ceil((W - 1) / block_size)); entries before that are the null block.
 
 Invariants (`check_invariants` verifies them, with those of the block pool):
-- a block's ref_cnt equals the number of requests whose block list holds it, and is never negative;
+- a block's ref_cnt equals the number of (request, group) tables that hold it, never negative;
 - a block is in the free queue iff its ref_cnt == 0 (the null block is neither held nor queued);
-- no request holds the same block twice; the null block only as a leading run of released
-  entries, and only with a sliding window;
-- hash-map entries point to blocks whose stored tokens hash to the entry's key;
+- no table holds the same block twice, and no block is held in two groups; the null block only
+  as a leading run of released entries, and only in a windowed group;
+- every group's table of a request has the same length;
+- hash-map entries point to blocks whose stored tokens hash to the entry's key, cached in the
+  group of the tables that hold them;
 - `allocate_slots` either succeeds or returns None having changed nothing.
 """
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from libkk.cache.block_pool import BlockPool, KVCacheBlock
@@ -70,12 +77,30 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def window_blocks_per_seq(window: int, block_size: int, max_step_tokens: int) -> int:
-    """The most blocks a request of a model whose every layer has a `window` ever holds at once,
+    """The most blocks a request ever holds at once in a group whose layers have a `window`,
     when no step schedules it more than `max_step_tokens` tokens: it holds positions from the
     previous step's start - window + 1 to the end of this step (at most window - 1 + 2 *
     max_step_tokens positions), and a run of n positions touches at most cdiv(n, bs) + 1 blocks.
     During decode (one token a step) this is ceil(window / block_size) + 1 or less."""
     return _cdiv(window - 1 + 2 * max_step_tokens, block_size) + 1
+
+
+# A prefix hit: per KV group, the table of cached blocks it starts the request with.
+PrefixHit = list[list[KVCacheBlock]]
+
+
+@dataclass
+class _Table:
+    """One request's blocks in one KV group."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    # The same as block ids, kept in step so the scheduler gets them without copying.
+    block_ids: list[int] = field(default_factory=list)
+    # Leading entries released (windowed groups): the null block.
+    num_released: int = 0
+    # Leading blocks already offered to the hash map (cached, or found to duplicate an already
+    # cached block); later steps start registering from there.
+    num_registered: int = 0
 
 
 class KVCacheManager:
@@ -87,17 +112,19 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         host_tier: HostKVTier | None = None,
-        sliding_window: int | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be one or more of None or >= 1, got {list(windows)}")
+        if host_tier is not None and len(windows) > 1:
+            raise ValueError("a host KV tier keeps every layer of a block: one KV group only")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # The window every attention layer attends within; None: some layer sees the whole
-        # context, so every block of a request is kept.
-        self.sliding_window = sliding_window
+        # Per KV group, the window its layers attend within; None: they see the whole context,
+        # so the group keeps every block of a request.
+        self.windows = tuple(windows)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # Evicted cached blocks go to the host tier, and lookups that miss here ask it.
         self.host_tier = host_tier if enable_caching else None
@@ -106,17 +133,12 @@ class KVCacheManager:
             self.block_pool.on_evict = lambda b: tier.store(
                 b.block_hash, b.parent_hash, b.token_ids, b.block_id
             )
-        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
-        # The same tables as block ids, kept in step so the scheduler gets them without copying.
-        self._req_block_ids: dict[str, list[int]] = {}
-        # Leading blocks of each request already offered to the hash map (cached, or found to
-        # duplicate an already cached block); later steps start registering from there.
-        self._num_registered: dict[str, int] = {}
-        # Sliding window: the first position of each request's previous allocation (its step may
-        # still be in flight, and is run again from there if it fails).
+        self._tables: dict[str, list[_Table]] = {}
+        # Per request, every group's `block_ids` list (the scheduler hands it to the runner).
+        self._block_tables: dict[str, list[list[int]]] = {}
+        # Windowed groups: the first position of each request's previous allocation (its step
+        # may still be in flight, and is run again from there if it fails).
         self._last_start: dict[str, int] = {}
-        # Sliding window: how many leading entries of each request's table are released.
-        self._num_released: dict[str, int] = {}
         self._hashes = RequestBlockHashes(block_size)
         # Prefix-cache stats, in tokens, one lookup per admission: a waiting request that is
         # looked up again (its allocation failed) replaces its earlier, unadmitted lookup.
@@ -126,6 +148,10 @@ class KVCacheManager:
         self._unadmitted_lookups: dict[str, tuple[int, int]] = {}
 
     # -- pool-wide state ----------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_blocks(self) -> int:
@@ -151,57 +177,72 @@ class KVCacheManager:
 
     # -- per-request state --------------------------------------------------------------------
 
-    def get_blocks(self, request_id: str) -> Sequence[KVCacheBlock]:
-        """The request's blocks in position order (read-only view of the manager's list)."""
-        return self._req_blocks.get(request_id, ())
+    def get_blocks(self, request_id: str, group: int = 0) -> Sequence[KVCacheBlock]:
+        """The request's blocks in a group, in position order (read-only view of the manager's
+        list)."""
+        tables = self._tables.get(request_id)
+        return tables[group].blocks if tables else ()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table: block i holds its tokens [i*block_size, (i+1)*block_size).
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block table in a group: block i holds its tokens
+        [i*block_size, (i+1)*block_size).
 
         A live list owned by the manager (it grows as the request does): read it, never mutate it.
-        With a sliding window, releasing leading blocks replaces the list by a new one whose
+        In a windowed group, releasing leading blocks replaces the list by a new one whose
         released entries are the null block (0): a list once handed out only ever grows.
         """
-        return self._req_block_ids.get(request_id, [])
+        tables = self._tables.get(request_id)
+        return tables[group].block_ids if tables else []
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """Every group's block table (`get_block_ids`), in group order; the outer list is
+        replaced, never changed, when a group's table is."""
+        return self._block_tables.get(request_id) or [[] for _ in self.windows]
 
     def num_blocks_of(self, request_id: str) -> int:
-        """The length of the request's block table (released leading entries included)."""
-        return len(self._req_blocks.get(request_id, ()))
+        """The length of the request's block table, each group's (released entries included)."""
+        tables = self._tables.get(request_id)
+        return len(tables[0].blocks) if tables else 0
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds a reference on (its table less the released entries)."""
-        return sum(not b.is_null for b in self._req_blocks.get(request_id, ()))
+        """Blocks the request holds a reference on, in every group (its tables less the
+        released entries)."""
+        tables = self._tables.get(request_id, ())
+        return sum(not b.is_null for t in tables for b in t.blocks)
 
-    def first_needed_block(self, start: int) -> int:
-        """Index of the first block a step computing from position `start` reads (0 without a
-        sliding window): every earlier block lies wholly before the window of every query."""
-        if self.sliding_window is None:
+    def first_needed_block(self, start: int, group: int = 0) -> int:
+        """Index of the first block of a group a step computing from position `start` reads (0
+        without a window): every earlier block lies wholly before the window of every query."""
+        window = self.windows[group]
+        if window is None:
             return 0
-        return max(0, start - self.sliding_window + 1) // self.block_size
+        return max(0, start - window + 1) // self.block_size
 
     # -- the scheduler's calls ----------------------------------------------------------------
 
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest verified cached prefix of the request's full blocks, and its token count.
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[PrefixHit, int]:
+        """The longest verified cached prefix of the request's full blocks: per group its table
+        of hits, and the prefix's token count.
 
         For a request holding no blocks (waiting, or preempted). The hit never covers every token:
         at most (num_tokens - 1) // block_size blocks, so at least one token is computed and the
         model produces logits. Takes no references (`allocate_slots` does). Counts the lookup in
         the prefix-cache stats, replacing this request's earlier lookup if it was not admitted.
-        With a sliding window, entries before the hit's window are the null block.
+        In a windowed group, entries before the hit's window are the null block.
         """
         if not self.enable_caching:
-            return [], 0
+            return [[] for _ in self.windows], 0
         token_ids = request.all_token_ids
         hashes = self._hashes.get(request.request_id, token_ids)
         max_hit_blocks = min(len(hashes), (len(token_ids) - 1) // self.block_size)
-        if self.sliding_window is not None and self.host_tier is None:
-            hits = self._window_hits(token_ids, hashes, max_hit_blocks)
+        if self.host_tier is not None:  # one group
+            hits = [self._prefix_hits(token_ids, hashes, max_hit_blocks)]
         else:
-            hits = self._prefix_hits(token_ids, hashes, max_hit_blocks)
-        num_hit_tokens = len(hits) * self.block_size
-        first = self.first_needed_block(num_hit_tokens)
-        hits[:first] = [self.block_pool.null_block] * first
+            hits = self._group_hits(token_ids, hashes, max_hit_blocks)
+        num_hit_tokens = len(hits[0]) * self.block_size
+        for group, table in enumerate(hits):
+            first = self.first_needed_block(num_hit_tokens, group)
+            table[:first] = [self.block_pool.null_block] * first
         self._record_lookup(request.request_id, len(token_ids), num_hit_tokens)
         return hits, num_hit_tokens
 
@@ -237,34 +278,54 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(held))
         return hits
 
-    def _window_hits(
+    def _group_hits(
         self, token_ids: Sequence[int], hashes: list[BlockHash], max_hit_blocks: int
-    ) -> list[KVCacheBlock]:
-        """The longest prefix of k blocks whose window is cached, for a sliding-window model:
-        blocks k - n .. k - 1 (n = ceil((W - 1) / block_size), the blocks a step computing from
-        position k * block_size reads), or blocks 0 .. k - 1 when k < n. Entries before the
-        window are the null block. Searched from the right, as the blocks before a window may
-        have been released and evicted while those of the window are still cached.
+    ) -> PrefixHit:
+        """The longest prefix of k blocks that every group has cached: blocks 0 .. k - 1 in a
+        full group; in a windowed group blocks k - n .. k - 1 (n = max(1, ceil((W - 1) /
+        block_size)), the blocks a step computing from position k * block_size reads), or
+        0 .. k - 1 when k < n. Entries before a window are the null block.
 
-        Each block taken is verified against its stored preimage; the prefix before the window
-        is named by the chained hash of the window's first block."""
-        assert self.sliding_window is not None
+        Full groups bound k from the left (a later block's KV depends on every earlier token);
+        windowed groups are searched from the right, as the blocks before a window may have
+        been released and evicted while those of the window are still cached: a block i missing
+        rules out every k whose window holds it, so the search goes on from k = i. Each block
+        taken is verified against its stored preimage; the prefix before a window is named by
+        the chained hash of the window's first block."""
         bs = self.block_size
-        need = max(1, _cdiv(self.sliding_window - 1, bs))
-        run: list[KVCacheBlock] = []  # consecutive cached blocks, right to left
-        for i in range(max_hit_blocks - 1, -1, -1):
-            block = self.block_pool.get_cached_block(
-                hashes[i],
-                token_ids[i * bs : (i + 1) * bs],
-                parent_hash=hashes[i - 1] if i else None,
-            )
-            if block is None:
-                run.clear()
-                continue
-            run.append(block)
-            if len(run) == need:
-                return [self.block_pool.null_block] * i + run[::-1]
-        return run[::-1]  # a run from block 0, shorter than a window
+        found: list[dict[int, KVCacheBlock | None]] = [{} for _ in self.windows]
+
+        def cached(group: int, i: int) -> KVCacheBlock | None:
+            if i not in found[group]:
+                found[group][i] = self.block_pool.get_cached_block(
+                    hashes[i],
+                    token_ids[i * bs : (i + 1) * bs],
+                    parent_hash=hashes[i - 1] if i else None,
+                    group=group,
+                )
+            return found[group][i]
+
+        spans = [None if w is None else max(1, _cdiv(w - 1, bs)) for w in self.windows]
+        k = max_hit_blocks
+        for group, span in enumerate(spans):
+            if span is None:
+                k = next((i for i in range(k) if cached(group, i) is None), k)
+        missing: int | None = 0
+        while k > 0 and missing is not None:
+            missing = None
+            for group, span in enumerate(spans):
+                if span is not None:
+                    window = range(k - 1, max(k - span, 0) - 1, -1)
+                    missing = next((i for i in window if cached(group, i) is None), None)
+                    if missing is not None:
+                        k = missing
+                        break
+        null = self.block_pool.null_block
+        hits = []
+        for group, span in enumerate(spans):
+            first = 0 if span is None else max(k - span, 0)
+            hits.append([null] * first + [cached(group, i) for i in range(first, k)])
+        return hits  # type: ignore[return-value]  # every block after `first` was found
 
     def _restore(
         self, block_hash: BlockHash, token_ids: Sequence[int], parent: BlockHash | None
@@ -298,16 +359,18 @@ class KVCacheManager:
         self,
         request: CacheRequest,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        new_computed_blocks: PrefixHit | None = None,
         num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Ensures blocks for num_computed_tokens + prefix hits + new + lookahead tokens.
+        """Ensures blocks for num_computed_tokens + prefix hits + new + lookahead tokens in
+        every group.
 
         `new_computed_blocks` (from `get_computed_blocks`) is only for a request that holds no
         blocks and has num_computed_tokens == 0; they are referenced and become its first blocks.
-        Returns the newly allocated blocks (possibly []: test the result with `is None`), or None
-        when the pool cannot supply them, in which case nothing changed. Then caches every block
-        that became full with known tokens whose KV is written by the end of this step.
+        Returns the newly allocated blocks of every group (possibly []: test the result with
+        `is None`), or None when the pool cannot supply them, in which case nothing changed. Then
+        caches every block that became full with known tokens whose KV is written by the end of
+        this step.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
@@ -316,76 +379,99 @@ class KVCacheManager:
             )
         request_id = request.request_id
         num_held = self.num_blocks_of(request_id)
-        if new_computed_blocks and (num_held or request.num_computed_tokens):
+        hit_tables = new_computed_blocks or [[] for _ in self.windows]
+        if len(hit_tables) != self.num_groups:
+            raise ValueError(f"prefix hits for {len(hit_tables)} KV groups, not {self.num_groups}")
+        num_hits = len(hit_tables[0])
+        if num_hits and (num_held or request.num_computed_tokens):
             raise ValueError(
                 f"request {request_id!r}: prefix hits need a request with no blocks and no computed "
                 f"tokens, it holds {num_held} blocks and {request.num_computed_tokens} tokens"
             )
-        if new_computed_blocks:
-            self._check_hits_current(request, new_computed_blocks)
+        if num_hits:
+            self._check_hits_current(request, hit_tables)
         bs = self.block_size
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        num_computed = request.num_computed_tokens + num_hits * bs
         num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
-        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
-        # Sliding window: the leading blocks no step reads any more (see the module docstring).
-        first = self.first_needed_block(
-            min(self._last_start.get(request_id, num_computed), num_computed)
-        )
-        hits = list(new_computed_blocks)
-        hits[:first] = [self.block_pool.null_block] * min(first, len(hits))
-        num_released = self._num_released.get(request_id, 0)
-        req_blocks = self._req_blocks.get(request_id, [])
-        releasing = [b for b in req_blocks[num_released:first] if not b.is_null]
+        num_new_blocks = max(0, num_required - num_held - num_hits)  # in each group
+        # Windowed groups: the leading blocks no step reads any more (see the module docstring).
+        start = min(self._last_start.get(request_id, num_computed), num_computed)
+        tables = self._tables.get(request_id) or [_Table() for _ in self.windows]
+        firsts, hits, releasing = [], [], []
+        for group, table in enumerate(tables):
+            first = self.first_needed_block(start, group)
+            group_hits = list(hit_tables[group])
+            group_hits[:first] = [self.block_pool.null_block] * min(first, num_hits)
+            firsts.append(first)
+            hits.append(group_hits)
+            releasing.append([b for b in table.blocks[table.num_released : first] if not b.is_null])
         # NOTE: a hit on a free cached block takes it out of the free queue, so it cannot also be
         # handed out as a fresh block: count it against the free blocks before changing anything.
         # A released block only this request holds is free again for the new ones.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-        num_freed = sum(1 for b in releasing if b.ref_cnt == 1)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_revived + num_freed:
+        num_revived = sum(b.ref_cnt == 0 and not b.is_null for group in hits for b in group)
+        num_freed = sum(b.ref_cnt == 1 for group in releasing for b in group)
+        if num_new_blocks * self.num_groups > (
+            self.block_pool.num_free_blocks - num_revived + num_freed
+        ):
             return None
 
         self._unadmitted_lookups.pop(request_id, None)
-        if self.sliding_window is not None:
+        if any(w is not None for w in self.windows):
             self._last_start[request_id] = num_computed
-        req_blocks = self._req_blocks.setdefault(request_id, [])
-        req_block_ids = self._req_block_ids.setdefault(request_id, [])
-        if first > num_released and req_blocks:
-            # Oldest first: among them the oldest cached block is evicted first.
-            self.block_pool.free_blocks(releasing)
-            req_blocks[num_released:first] = [self.block_pool.null_block] * (first - num_released)
-            # NOTE: a new list, not the old one changed: a table handed out only ever grows (the
-            # tensor-parallel step messages send what was appended to the list last sent).
-            req_block_ids = self._req_block_ids[request_id] = [0] * first + req_block_ids[first:]
-            self._num_released[request_id] = first
-        if hits:
-            self.block_pool.touch(b for b in hits if not b.is_null)
-            req_blocks.extend(hits)
-            req_block_ids.extend(b.block_id for b in hits)
-            self._num_registered[request_id] = len(hits)  # hits are cached already
-            self._num_released[request_id] = min(first, len(hits))
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
-        req_block_ids.extend(b.block_id for b in new_blocks)
-
-        if self.enable_caching:
-            num_known = min(num_computed + num_new_tokens, len(request.all_token_ids))
-            self._cache_full_blocks(request, req_blocks, num_known // bs)
+        self._tables[request_id] = tables
+        replaced = request_id not in self._block_tables
+        for group, table in enumerate(tables):
+            first, group_hits = firsts[group], hits[group]
+            if first > table.num_released and table.blocks:
+                # Oldest first: among them the oldest cached block is evicted first.
+                self.block_pool.free_blocks(releasing[group])
+                table.blocks[table.num_released : first] = [self.block_pool.null_block] * (
+                    first - table.num_released
+                )
+                # NOTE: a new list, not the old one changed: a table handed out only ever grows
+                # (the tensor-parallel step messages send what was appended to the list last
+                # sent).
+                table.block_ids = [0] * first + table.block_ids[first:]
+                table.num_released = first
+                replaced = True
+            if group_hits:
+                self.block_pool.touch(b for b in group_hits if not b.is_null)
+                table.blocks.extend(group_hits)
+                table.block_ids.extend(b.block_id for b in group_hits)
+                table.num_registered = len(group_hits)  # hits are cached already
+                table.num_released = min(first, len(group_hits))
+        # NOTE: only now, once every group's hits are referenced: a free hit of one group must
+        # not be handed out as another group's fresh block.
+        new_blocks: list[KVCacheBlock] = []
+        for group, table in enumerate(tables):
+            fresh = self.block_pool.get_new_blocks(num_new_blocks)
+            table.blocks.extend(fresh)
+            table.block_ids.extend(b.block_id for b in fresh)
+            new_blocks.extend(fresh)
+            if self.enable_caching:
+                num_known = min(num_computed + num_new_tokens, len(request.all_token_ids))
+                self._cache_full_blocks(request, group, table, num_known // bs)
+        if replaced:
+            self._block_tables[request_id] = [t.block_ids for t in tables]
         return new_blocks
 
-    def _check_hits_current(self, request: CacheRequest, hits: Sequence[KVCacheBlock]) -> None:
+    def _check_hits_current(self, request: CacheRequest, hits: PrefixHit) -> None:
         # A hit evicted and reused between lookup and allocation would serve another prefix's KV.
         hashes = self._hashes.get(request.request_id, request.all_token_ids)
-        if len(hits) > len(hashes) or any(
-            b.block_hash != h for b, h in zip(hits, hashes, strict=False) if not b.is_null
-        ):
-            raise ValueError(
-                f"request {request.request_id!r}: stale prefix hits; call get_computed_blocks "
-                f"right before allocate_slots"
-            )
+        for group, table in enumerate(hits):
+            if len(table) > len(hashes) or any(
+                (b.group, b.block_hash) != (group, h)
+                for b, h in zip(table, hashes, strict=False)
+                if not b.is_null
+            ):
+                raise ValueError(
+                    f"request {request.request_id!r}: stale prefix hits; call "
+                    f"get_computed_blocks right before allocate_slots"
+                )
 
     def step_finished(self, request_id: str, start: int) -> None:
         """A step of the request that computed from position `start` has finished and will not
-        run again: with a sliding window, the next allocation may release the blocks only that
+        run again: in windowed groups, the next allocation may release the blocks only that
         step read."""
         if self._last_start.get(request_id) == start:
             del self._last_start[request_id]
@@ -399,36 +485,34 @@ class KVCacheManager:
         self.free_request_id(request.request_id)
 
     def free_request_id(self, request_id: str) -> None:
-        blocks = self._req_blocks.pop(request_id, None)
-        self._req_block_ids.pop(request_id, None)
-        self._num_registered.pop(request_id, None)
-        self._num_released.pop(request_id, None)
+        tables = self._tables.pop(request_id, ())
+        self._block_tables.pop(request_id, None)
         self._last_start.pop(request_id, None)
         self._unadmitted_lookups.pop(request_id, None)
         self._hashes.pop(request_id)
-        if blocks:
-            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+        for table in tables:
+            self.block_pool.free_blocks(b for b in reversed(table.blocks) if not b.is_null)
 
     def _cache_full_blocks(
-        self, request: CacheRequest, req_blocks: list[KVCacheBlock], num_full: int
+        self, request: CacheRequest, group: int, table: _Table, num_full: int
     ) -> None:
-        request_id = request.request_id
-        start = self._num_registered.get(request_id, 0)
+        start = table.num_registered
         if num_full <= start:
             return
         token_ids = request.all_token_ids
-        hashes = self._hashes.get(request_id, token_ids)
+        hashes = self._hashes.get(request.request_id, token_ids)
         bs = self.block_size
         for i in range(start, num_full):
-            if req_blocks[i].is_null:
+            if table.blocks[i].is_null:
                 continue  # released before its last token was known
             self.block_pool.cache_full_block(
-                req_blocks[i],
+                table.blocks[i],
                 hashes[i],
                 token_ids[i * bs : (i + 1) * bs],
                 parent_hash=hashes[i - 1] if i else None,
+                group=group,
             )
-        self._num_registered[request_id] = num_full
+        table.num_registered = num_full
 
     # -- checking -----------------------------------------------------------------------------
 
@@ -436,20 +520,35 @@ class KVCacheManager:
         """Raises AssertionError if an invariant in the module docstring is broken (tests, debug)."""
         self.block_pool.check_invariants()
         refs: Counter[int] = Counter()
-        for request_id, blocks in self._req_blocks.items():
-            ids = [b.block_id for b in blocks]
-            released = self._num_released.get(request_id, 0)
-            held = ids[released:]
-            if (
-                len(set(held)) != len(held)
-                or any(b.is_null for b in blocks[released:])
-                or any(not b.is_null for b in blocks[:released])
-                or (released and self.sliding_window is None)
-            ):
-                raise AssertionError(f"request {request_id!r} holds a bad block list {ids}")
-            if self._req_block_ids.get(request_id) != ids:
-                raise AssertionError(f"request {request_id!r}: block ids out of step with blocks")
-            refs.update(held)
+        held_in: dict[int, int] = {}
+        for request_id, tables in self._tables.items():
+            if len({len(t.blocks) for t in tables}) != 1 or len(tables) != self.num_groups:
+                raise AssertionError(f"request {request_id!r}: groups' tables differ in length")
+            if self._block_tables.get(request_id) != [t.block_ids for t in tables]:
+                raise AssertionError(f"request {request_id!r}: block tables out of step")
+            for group, table in enumerate(tables):
+                ids = [b.block_id for b in table.blocks]
+                released = table.num_released
+                held = ids[released:]
+                if (
+                    len(set(held)) != len(held)
+                    or any(b.is_null for b in table.blocks[released:])
+                    or any(not b.is_null for b in table.blocks[:released])
+                    or (released and self.windows[group] is None)
+                    or any(
+                        b.block_hash is not None and b.group != group
+                        for b in table.blocks[released:]
+                    )
+                ):
+                    raise AssertionError(
+                        f"request {request_id!r} holds a bad block list {ids} in group {group}"
+                    )
+                if table.block_ids != ids:
+                    raise AssertionError(f"request {request_id!r}: block ids out of step")
+                for block_id in held:
+                    if held_in.setdefault(block_id, group) != group:
+                        raise AssertionError(f"block {block_id} is held in two KV groups")
+                refs.update(held)
         for block in self.block_pool.blocks[1:]:
             if block.ref_cnt != refs[block.block_id]:
                 raise AssertionError(

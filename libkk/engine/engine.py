@@ -21,8 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from libkk.cache.kv_cache import determine_num_blocks, kv_cache_bytes_per_block
-from libkk.cache.kv_cache_manager import KVCacheManager, window_blocks_per_seq
+from libkk.cache.kv_cache import (
+    KVGroups,
+    determine_num_blocks,
+    kv_blocks_per_seq,
+    kv_cache_bytes_per_block,
+)
+from libkk.cache.kv_cache_manager import KVCacheManager
 from libkk.cache.offload import HostKVTier
 from libkk.config import EngineConfig
 from libkk.engine.admission import make_request
@@ -44,7 +49,6 @@ from libkk.errors import (
     InvalidRequestError,
     UnknownRequestError,
 )
-from libkk.layers.attention import kv_window
 from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
@@ -99,7 +103,7 @@ class Engine:
             config,
             self.device,
             self.model_dir,
-            lambda model, arch: self._plan_kv_cache(model, arch, phases),
+            lambda model, arch, groups: self._plan_kv_cache(model, arch, groups, phases),
             phases,
             progress=config.progress,
         )
@@ -112,7 +116,7 @@ class Engine:
                 config.cache.block_size,
                 enable_caching=config.cache.enable_prefix_caching,
                 host_tier=self.host_tier,
-                sliding_window=self.kv_window,
+                windows=rank.kv_groups.windows,
             )
             self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         proposer = rank.proposer
@@ -145,12 +149,14 @@ class Engine:
         self.startup_seconds = phases.laps
         logger.info("started in %.1f s: %s", phases.total, phases.summary())
 
-    def _plan_kv_cache(self, model: nn.Module, arch: ArchConfig, phases: StartupPhases) -> KVPlan:
+    def _plan_kv_cache(
+        self, model: nn.Module, arch: ArchConfig, groups: KVGroups, phases: StartupPhases
+    ) -> KVPlan:
         """Sizes the KV cache from the memory the weights leave; every rank allocates it."""
         config = self.config
         max_model_len = self._resolve_max_model_len(arch)
         bytes_per_block = kv_cache_bytes_per_block(
-            arch.num_layers,
+            groups.group_size,
             config.cache.block_size,
             model.num_kv_heads,  # this rank's
             arch.head_dim,
@@ -158,19 +164,14 @@ class Engine:
         )
         self.kv_bytes_per_block = bytes_per_block
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        blocks_per_seq = -(-max_model_len // config.cache.block_size)
-        # Every layer windowed: a request holds the blocks of its window and of its steps only
-        # (the KV cache manager releases the rest), whatever its length.
-        self.kv_window = kv_window(model)
-        if self.kv_window is not None:
-            blocks_per_seq = min(
-                blocks_per_seq,
-                window_blocks_per_seq(
-                    self.kv_window,
-                    config.cache.block_size,
-                    config.scheduler.max_num_batched_tokens,
-                ),
-            )
+        # Windowed groups: a request holds the blocks of its window and of its steps only (the
+        # KV cache manager releases the rest), whatever its length.
+        blocks_per_seq = kv_blocks_per_seq(
+            groups,
+            max_model_len,
+            config.cache.block_size,
+            config.scheduler.max_num_batched_tokens,
+        )
         num_blocks = determine_num_blocks(
             config.cache,
             bytes_per_block,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from libkk.cache.host_tables import share_embedding
-from libkk.cache.kv_cache import allocate_kv_caches
+from libkk.cache.kv_cache import KVGroups, allocate_kv_caches, plan_kv_groups
 from libkk.config import EngineConfig
 from libkk.errors import ConfigError
 from libkk.layers.attention import calibrate_kv_scales_on_first_prefill
@@ -99,7 +99,8 @@ class Rank:
 
     model: nn.Module
     arch: ArchConfig
-    kv_caches: list[torch.Tensor]
+    kv_caches: list[torch.Tensor]  # per attention layer (layers of a group's place share one)
+    kv_groups: KVGroups
     plan: KVPlan
     proposer: Proposer | None
     runner: ModelRunner
@@ -109,7 +110,7 @@ def build_rank(
     config: EngineConfig,
     device: torch.device,
     model_dir: Path,
-    plan_kv_cache: Callable[[nn.Module, ArchConfig], KVPlan],
+    plan_kv_cache: Callable[[nn.Module, ArchConfig, KVGroups], KVPlan],
     phases: StartupPhases,
     progress: bool = False,
 ) -> Rank:
@@ -136,10 +137,16 @@ def build_rank(
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec.method else 0)
         max_step_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * rows_per_seq)
         share_embedding(model, model_dir, device, max_step_tokens)
-    plan = plan_kv_cache(model, arch)
+    # Separate KV groups for hybrid models, unless a host tier (which copies every layer of a
+    # block) keeps the blocks: docs/memory.md.
+    kv_groups = plan_kv_groups(
+        [layer.sliding_window for layer in model.attention_layers()],
+        separate=config.cache.kv_offload_bytes is None,
+    )
+    plan = plan_kv_cache(model, arch, kv_groups)
     with phases.phase("allocate the KV cache"):
-        kv_caches = allocate_kv_caches(
-            arch.num_layers,
+        tensors = allocate_kv_caches(
+            kv_groups.group_size,
             plan.num_blocks,
             config.cache.block_size,
             model.num_kv_heads,  # this rank's
@@ -147,6 +154,7 @@ def build_rank(
             kv_cache_dtype(config, dtype),
             device,
         )
+        kv_caches = [tensors[j] for j in kv_groups.layer_tensors]
     # The proposer first: the runner captures the forward that stashes its target layers.
     proposer = None
     if config.speculative.method is not None:
@@ -166,6 +174,7 @@ def build_rank(
         kv_caches,
         config.cache.block_size,
         device,
+        kv_groups=kv_groups.layer_groups,
         compilation=config.compilation,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=plan.max_model_len,
@@ -176,4 +185,4 @@ def build_rank(
     # The runner's own phases (tile tuning, compile and capture), then what its build left.
     phases.add(runner.startup_seconds)
     phases.end("build the runner", excluding=sum(runner.startup_seconds.values()))
-    return Rank(model, arch, kv_caches, plan, proposer, runner)
+    return Rank(model, arch, kv_caches, kv_groups, plan, proposer, runner)

@@ -18,9 +18,9 @@ allocated like any other. After verification `num_computed_tokens` counts the an
 accepted drafts only; rejected drafts' slots are overwritten by later tokens. Preemption drops
 drafts.
 
-KV blocks are asked for step by step (`allocate_slots` for the step's tokens). For a model whose
-every layer has a sliding window the cache manager first releases the request's blocks before
-its window, so a request needs blocks for its window and its step, not its whole length; the
+KV blocks are asked for step by step (`allocate_slots` for the step's tokens). In a KV group
+whose layers have a sliding window the cache manager first releases the request's blocks before
+its window, so there a request needs blocks for its window and its step, not its whole length; the
 scheduler assumes only that an allocation either fits or changes nothing, and tells the manager
 when a step has finished (`step_finished`), after which that step's window may be released.
 
@@ -229,7 +229,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=token_ids + spec,
             num_computed_tokens=start,
-            block_ids=self.kv_cache.get_block_ids(request.request_id),
+            block_tables=self.kv_cache.get_block_tables(request.request_id),
             sampling=sampling,
             spec_token_ids=list(spec),
             draft_logits=request.draft_logits,

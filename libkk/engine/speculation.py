@@ -460,7 +460,9 @@ def profile_costs(
         # guards on the grad mode and on its inputs' dispatch keys
         with (
             torch.inference_mode(),
-            set_forward_context(null_prefill_metadata(n, block_size, device), runner.model),
+            set_forward_context(
+                null_prefill_metadata(n, block_size, device, runner.num_kv_groups), runner.model
+            ),
         ):
             ids = torch.zeros(n, dtype=torch.int64, device=device)
             positions = torch.arange(n, dtype=torch.int64, device=device)

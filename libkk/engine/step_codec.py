@@ -29,7 +29,7 @@ from libkk.sample.sampler import SamplingRow
 class _Sent:
     """What rank 0 sent of one request: the lists by identity, and how much of each."""
 
-    block_ids: list[int]
+    block_tables: tuple[list[int], ...]  # each group's table
     num_blocks: int
     row: SamplingRow | None
     num_outputs: int
@@ -40,8 +40,9 @@ class StepMessage:
     kind: str
     preempted_request_ids: list[str]
     # Per request: (request_id, token_ids, num_computed_tokens, keep_blocks, new_block_ids,
-    # row, spec_token_ids, draft_logits, last_token_in_flight, grammar_masks). keep_blocks < 0:
-    # new_block_ids is the whole table. row: None (no sampling) or (static, position,
+    # row, spec_token_ids, draft_logits, last_token_in_flight, grammar_masks). new_block_ids:
+    # per KV group, what follows the first keep_blocks of the table last sent; keep_blocks < 0:
+    # the whole tables. row: None (no sampling) or (static, position,
     # keep_outputs, new_outputs, banned_token_ids); static is None when unchanged, else (params,
     # seed, prompt_token_ids), and keep_outputs < 0 means new_outputs are all of them.
     # grammar_masks: None, or the row's grammar_mask and the draft_grammar_masks, sent whole (only
@@ -65,11 +66,15 @@ class StepEncoder:
         entries = []
         for r in sched_out.requests:
             last = self._sent.get(r.request_id)
-            blocks = r.block_ids
-            if last is not None and _grown(last.block_ids, blocks, last.num_blocks):
-                keep_blocks, new_blocks = last.num_blocks, blocks[last.num_blocks :]
+            tables = tuple(r.block_tables)
+            if last is not None and all(
+                _grown(sent_table, table, last.num_blocks)
+                for sent_table, table in zip(last.block_tables, tables, strict=True)
+            ):
+                keep_blocks = last.num_blocks
+                new_blocks = tuple(table[keep_blocks:] for table in tables)
             else:
-                keep_blocks, new_blocks = -1, blocks
+                keep_blocks, new_blocks = -1, tables
             row, row_entry, num_outputs = r.sampling, None, 0
             if row is not None:
                 last_row = last.row if last is not None else None
@@ -91,7 +96,7 @@ class StepEncoder:
                  row_entry, r.spec_token_ids, r.draft_logits, r.last_token_in_flight,
                  _grammar_masks(r))
             )  # fmt: skip
-            sent[r.request_id] = _Sent(blocks, len(blocks), row, num_outputs)
+            sent[r.request_id] = _Sent(tables, len(tables[0]), row, num_outputs)
         self._sent = sent
         return StepMessage(sched_out.kind, list(sched_out.preempted_request_ids), entries)
 
@@ -108,7 +113,7 @@ def _grammar_masks(r: ScheduledRequest) -> tuple[Tensor | None, Tensor | None] |
 class _Held:
     """A worker's copy of one request's state, as of the last message."""
 
-    block_ids: list[int]
+    block_tables: list[list[int]]  # each group's
     static: tuple[SamplingParams, int, Sequence[int]] | None  # (params, seed, prompt_token_ids)
     output_token_ids: list[int]
 
@@ -126,13 +131,14 @@ class StepDecoder:
              draft_logits, in_flight, grammar_masks) in message.requests:  # fmt: skip
             last = self._held.get(rid)
             if keep_blocks < 0:
-                blocks = new_blocks
+                tables = list(new_blocks)
             else:
-                assert last is not None and len(last.block_ids) >= keep_blocks, rid
-                blocks = last.block_ids
-                del blocks[keep_blocks:]
-                blocks.extend(new_blocks)
-            state = _Held(blocks, None, [])
+                assert last is not None and len(last.block_tables[0]) >= keep_blocks, rid
+                tables = last.block_tables
+                for blocks, new in zip(tables, new_blocks, strict=True):
+                    del blocks[keep_blocks:]
+                    blocks.extend(new)
+            state = _Held(tables, None, [])
             if last is not None:
                 state.static, state.output_token_ids = last.static, last.output_token_ids
             sampling = None
@@ -161,7 +167,7 @@ class StepDecoder:
                     request_id=rid,
                     token_ids=token_ids,
                     num_computed_tokens=num_computed,
-                    block_ids=blocks,
+                    block_tables=tables,
                     sampling=sampling,
                     spec_token_ids=spec_ids,
                     draft_logits=draft_logits,

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from libkk.cache.kv_cache import KVGroups
 from libkk.config import EngineConfig
 from libkk.distributed import (
     destroy_tensor_parallel,
@@ -88,7 +89,7 @@ def _worker_main(
         enter_phase("join the group")
         init_tensor_parallel(rank, size, init_method, device, config.parallel.worker_timeout_s)
 
-        def wait_for_plan(model: torch.nn.Module, arch: ArchConfig) -> KVPlan:
+        def wait_for_plan(model: torch.nn.Module, arch: ArchConfig, groups: KVGroups) -> KVPlan:
             conn.send(("loaded",))
             enter_phase("wait for the KV cache plan")
             plan = conn.recv()

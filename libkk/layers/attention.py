@@ -6,9 +6,9 @@ backend is chosen once per process; the torch reference runs anywhere and is the
 
 A layer with a sliding window W lets a query at position p see keys at positions p - W < n <= p
 (transformers' Mistral convention). Backends read no block wholly before the window of a step's
-first query: when every layer of a model has a window (`kv_window`), the KV cache manager
-releases those blocks and points their block-table entries at the null block. A model with some
-full-attention layers (Gemma 3, gpt-oss) keeps every block, since those layers read them all.
+first query: the KV cache manager releases the blocks of a windowed KV group before its window and
+points their block-table entries at the null block. A layer reads the block table and slot
+mapping of its KV group (`kv_group`, set by the model runner; docs/memory.md).
 
 A layer with attention sinks (gpt-oss) holds one learned logit per query head that joins each
 softmax's denominator and contributes no value: softmax over [scores, sink], the sink's column
@@ -360,8 +360,10 @@ class Attention(IndexedLayer):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        # NOTE: blocks before the window are released only when every layer has one (`kv_window`).
         self.window = sliding_window or 0  # what the backends take; 0: none
+        # The KV group whose block table and slot mapping the layer reads (the model runner sets
+        # it with the layer's KV tensor).
+        self.kv_group = 0
         self.kv_cache: torch.Tensor | None = None
         # Not persistent: they are no model weights (a checkpoint's scales are read by the loader).
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
@@ -432,7 +434,7 @@ class Attention(IndexedLayer):
     ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the model runner binds it")
-        metadata = get_forward_context().attn_metadata
+        metadata = get_forward_context().attn_metadata.for_group(self.kv_group)
         backend = attention_backend(q.device)
         n = q.shape[0]
         if positions is not None:
@@ -489,16 +491,6 @@ MIN_CALIBRATED_SCALE = torch.finfo(torch.float32).tiny
 def kv_scale_calibration_pending(layers: Iterable[Attention]) -> bool:
     """Whether any layer still waits for its first real store to calibrate its scales."""
     return any(layer.calibration_pending for layer in layers)
-
-
-def kv_window(model: nn.Module) -> int | None:
-    """The window within which every attention layer of `model` attends (the widest of their
-    windows), or None when some layer attends the whole context (or there is none): the KV a
-    request must keep reaches back that far and no further."""
-    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
-    if not windows or min(windows) == 0:
-        return None
-    return max(windows)
 
 
 def calibrate_kv_scales_on_first_prefill(model: nn.Module) -> int:

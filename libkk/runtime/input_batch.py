@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from libkk.layers.forward_context import AttentionMetadata
+from libkk.layers.forward_context import AttentionMetadata, grouped_metadata
 from libkk.runtime.io import SchedulerOutput
 from libkk.sample.sampler import SamplingRow
 
@@ -29,7 +29,7 @@ class InputBatch:
 
 
 def build_input_batch(
-    sched_out: SchedulerOutput, block_size: int, device: torch.device
+    sched_out: SchedulerOutput, block_size: int, device: torch.device, num_kv_groups: int = 1
 ) -> InputBatch:
     requests = sched_out.requests
     num_reqs = len(requests)
@@ -47,23 +47,26 @@ def build_input_batch(
     row_req = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[row_req] + starts[row_req]
 
-    # Each request's first ceil(seq_len / block_size) blocks, padded with the null block (0).
+    # Each request's first ceil(seq_len / block_size) blocks in every KV group, padded with the
+    # null block (0). Every group's table of a request has the same length.
     num_blocks = (seq_lens + block_size - 1) // block_size
     max_blocks = int(num_blocks.max())
-    block_table = np.zeros((num_reqs, max_blocks), np.int32)
-    held = np.fromiter((len(r.block_ids) for r in requests), np.int64, num_reqs)
+    block_tables = np.zeros((num_kv_groups, num_reqs, max_blocks), np.int32)
+    held = np.fromiter((len(r.block_tables[0]) for r in requests), np.int64, num_reqs)
     num_filled = np.minimum(held, max_blocks)
-    filled = np.fromiter(
-        chain.from_iterable(
-            r.block_ids if h <= max_blocks else r.block_ids[:max_blocks]
-            for r, h in zip(requests, held.tolist(), strict=True)
-        ),
-        np.int32,
-        int(num_filled.sum()),
-    )
-    block_table[np.arange(max_blocks)[None, :] < num_filled[:, None]] = filled  # row-major
-    slot_mapping = (
-        block_table[row_req, positions // block_size].astype(np.int64) * block_size
+    filled_mask = np.arange(max_blocks)[None, :] < num_filled[:, None]
+    for group in range(num_kv_groups):
+        filled = np.fromiter(
+            chain.from_iterable(
+                r.block_tables[group] if h <= max_blocks else r.block_tables[group][:max_blocks]
+                for r, h in zip(requests, held.tolist(), strict=True)
+            ),
+            np.int32,
+            int(num_filled.sum()),
+        )
+        block_tables[group][filled_mask] = filled  # row-major
+    slot_mappings = (
+        block_tables[:, row_req, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
 
@@ -81,16 +84,16 @@ def build_input_batch(
 
     # NOTE: one copy for all of them: a copy that is not asynchronous would wait for the device's
     # queued work, which under async scheduling is the previous step.
-    slots, qsl, lens, table, ids, pos, rows = arrays_to_device(
-        [slot_mapping, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table,
+    slots, qsl, lens, tables, ids, pos, rows = arrays_to_device(
+        [slot_mappings, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables,
          input_ids, positions.astype(np.int64), logits_indices],
         device,
     )  # fmt: skip
-    metadata = AttentionMetadata(
-        slot_mapping=slots,
+    metadata = grouped_metadata(
+        slots,
+        tables,
         query_start_loc=qsl,
         seq_lens=lens,
-        block_table=table,
         block_size=block_size,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),

@@ -26,8 +26,9 @@ class ScheduledRequest:
     # then the drafts to verify (spec_token_ids, the last len(spec_token_ids) of these).
     token_ids: list[int]
     num_computed_tokens: int
-    # The request's whole block table (shared with the KV cache manager, read only here).
-    block_ids: list[int]
+    # The request's whole block table in each KV group (shared with the KV cache manager, read
+    # only here): one table for most models, docs/memory.md.
+    block_tables: list[list[int]]
     # Set when this step completes everything the request owes: sample its next token.
     sampling: SamplingRow | None
     # Drafts verified this step (only with `sampling`): sampling happens at the 1 + n last rows.

@@ -43,6 +43,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         *,
+        kv_groups: Sequence[int] | None = None,
         compilation: CompilationConfig | None = None,
         max_num_seqs: int = 1,
         max_model_len: int = 1,
@@ -50,9 +51,10 @@ class ModelRunner:
         progress: bool = False,
         speculation: RunnerSpeculation | None = None,
     ) -> None:
-        """max_num_batched_tokens: the largest step (None: the scheduler's default), up to which
-        graphs are captured and packed MoE tiles tuned; speculation: what verifying drafts
-        needs (None: no speculation)."""
+        """kv_caches: each attention layer's KV tensor; kv_groups: each layer's KV group (None:
+        one group; docs/memory.md); max_num_batched_tokens: the largest step (None: the
+        scheduler's default), up to which graphs are captured and packed MoE tiles tuned;
+        speculation: what verifying drafts needs (None: no speculation)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -62,9 +64,11 @@ class ModelRunner:
         layers = model.attention_layers()
         if len(layers) != len(kv_caches):
             raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches")
-        for layer, cache in zip(layers, kv_caches, strict=True):
-            layer.kv_cache = cache
+        kv_groups = list(kv_groups or [0] * len(layers))
+        for layer, cache, group in zip(layers, kv_caches, kv_groups, strict=True):
+            layer.kv_cache, layer.kv_group = cache, group
         self.attention_layers = layers
+        self.num_kv_groups = max(kv_groups, default=0) + 1
         # FP8 scale calibration runs in the eager attention op of the first real store, and a
         # FULL graph replay runs no Python: no replay until every layer has calibrated.
         self._kv_scales_pending = kv_scale_calibration_pending(layers)
@@ -96,6 +100,7 @@ class ModelRunner:
                 query_lens=spec.query_lens,
                 middle_lens_max_size=spec.middle_lens_max_size,
                 keeps_aux=bool(spec.aux_layers),
+                num_kv_groups=self.num_kv_groups,
             ),
             progress,
         )
@@ -147,7 +152,7 @@ class ModelRunner:
         the host. Tokens marked `last_token_in_flight` are read from the previous launched
         step's device ids. A step with a grammar row whose mask awaits its in-flight token is
         launched up to the logits' hidden states: `sample_pending` samples it."""
-        batch = build_input_batch(sched_out, self.block_size, self.device)
+        batch = build_input_batch(sched_out, self.block_size, self.device, self.num_kv_groups)
         self._gather_in_flight_inputs(sched_out, batch)
         for embedding in self.host_embeddings:  # rows of host tables, gathered before the forward
             embedding.stage(batch.input_ids_cpu)

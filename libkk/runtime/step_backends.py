@@ -105,9 +105,8 @@ class PiecewiseStep(EagerStep):
     def run(self, batch: InputBatch) -> tuple[Tensor, Tensor | None]:
         n = batch.input_ids.shape[0]
         pad = self.pieces.pad_to[n] - n
-        metadata = dataclasses.replace(
-            batch.attn_metadata, slot_mapping=F.pad(batch.attn_metadata.slot_mapping, (0, pad))
-        )
+        metadata = batch.attn_metadata
+        metadata = metadata.with_slot_mappings(F.pad(metadata.slot_mappings, (0, pad)))
         with set_forward_context(metadata, self.model):
             hidden = self.forward(
                 F.pad(batch.input_ids, (0, pad)), F.pad(batch.positions, (0, pad))
@@ -127,6 +126,7 @@ class GraphShape:
     query_lens: tuple[int, ...] = (1,)  # tokens per request of uniform batches (1 + K drafts)
     middle_lens_max_size: int | None = None  # lengths between: graphs of this many requests
     keeps_aux: bool = False  # the model keeps aux hidden states (a drafter reads them)
+    num_kv_groups: int = 1  # block tables and slot mappings per step (docs/memory.md)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -281,6 +281,7 @@ class StepBackends:
             query_lens=shape.query_lens,
             middle_lens_max_size=shape.middle_lens_max_size,
             stash=(lambda: self.model.aux_hidden_states) if shape.keeps_aux else None,
+            num_kv_groups=shape.num_kv_groups,
         )
 
     def _mixed_graphs(self, decode: DecodeGraphs) -> MixedGraphs:
@@ -300,6 +301,7 @@ class StepBackends:
             block_size=shape.block_size,
             device=self.device,
             stash=decode.stash,
+            num_kv_groups=shape.num_kv_groups,
         )
 
     @staticmethod
@@ -328,7 +330,9 @@ class StepBackends:
             for n in tqdm(sizes, desc="Capturing piecewise graphs", disable=not progress):
                 # Every rank captures the same pieces in the same order (see DecodeGraphs).
                 lockstep(f"piecewise graphs, {n} tokens")  # the first compiles the forward
-                metadata = null_prefill_metadata(n, block_size, self.device)
+                metadata = null_prefill_metadata(
+                    n, block_size, self.device, self.shape.num_kv_groups
+                )
                 with set_forward_context(metadata, self.model):
                     self.forward(ids[:n], positions[:n])
         torch.cuda.synchronize()

@@ -37,7 +37,7 @@ def test_evicted_blocks_are_restored_bit_exact():
     hits, num_tokens = kv.get_computed_blocks(Req("a2", [1, 2, 3, 4, 5]))
     assert num_tokens == 4 and tier.num_restored == 2
     tier.flush()
-    for hit, original in zip(hits, a_blocks[:2], strict=True):
+    for hit, original in zip(hits[0], a_blocks[:2], strict=True):
         assert torch.equal(cache[:, hit.block_id], torch.full((2, 2, 1, 1), float(original)))
     kv.block_pool.check_invariants()
 

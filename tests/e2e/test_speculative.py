@@ -364,7 +364,9 @@ def test_model_proposers_get_hidden_states_of_final_tokens(cyclic_llama_dir, mon
             got = torch.cat([h for _, h in calls])  # [pos, 2 * hidden]
             # A plain forward over the same tokens in a fresh block range.
             n = len(tokens) - 1
-            req = ScheduledRequest(out.request_id, tokens[:n], 0, list(range(1, 2 + n // 16)), None)
+            req = ScheduledRequest(
+                out.request_id, tokens[:n], 0, [list(range(1, 2 + n // 16))], None
+            )
             batch = build_input_batch(SchedulerOutput(requests=[req]), 16, torch.device("cpu"))
             with torch.inference_mode(), set_forward_context(batch.attn_metadata, engine.model):
                 engine.model(batch.input_ids, batch.positions)

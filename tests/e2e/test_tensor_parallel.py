@@ -43,6 +43,12 @@ MODELS = {
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[1],
     )),
+    # a sliding and a full layer: separate KV groups, the sliding one releasing blocks
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    )),
 }  # fmt: skip
 PROMPTS = [
     [5, 17, 42, 99, 3],
@@ -72,6 +78,7 @@ def model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
             "llama": transformers.LlamaForCausalLM,
             "qwen3": transformers.Qwen3ForCausalLM,
             "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+            "gemma3": transformers.Gemma3ForCausalLM,
         }[name]
         model_cls(config).save_pretrained(path)
         for f in ("tokenizer.json", "tokenizer_config.json"):

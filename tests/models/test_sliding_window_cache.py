@@ -5,8 +5,9 @@ A tiny random Mistral whose every layer has a window of 8 generates sequences ma
 in the block pool), its released entries point at the null block, and its greedy tokens equal
 transformers' and those of the same run keeping every block, alone, batched, asynchronously
 scheduled, from prefix hits whose head was evicted, and through preemption by recompute. A tiny
-Gemma 3 (sliding and full layers) keeps every block and stays exact with prefix hits and
-preemption.
+Gemma 3 (sliding and full layers) keeps separate KV groups: its sliding layers' groups hold a
+window's worth of blocks while its full layers' group keeps every block, exact with prefix hits
+and preemption.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 import transformers
 from torch import nn
 
-import libkk.engine.engine as engine_module
+import libkk.engine.rank as rank_module
 from libkk import SamplingParams, Session
+from libkk.cache.kv_cache import plan_kv_groups
 from libkk.cache.kv_cache_manager import KVCacheManager, window_blocks_per_seq
 from libkk.errors import ConfigError
 from tests.checkpoints import save_with_word_tokenizer
@@ -132,10 +134,12 @@ def _held(mgr: KVCacheManager) -> int:
     return sum(b.ref_cnt > 0 for b in mgr.block_pool.blocks)
 
 
-def _run_watching(s: Session, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+def _run_watching(
+    s: Session, prompts: list[list[int]], group: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """Steps the session to the end; returns the tokens and, after each step, the most blocks a
-    decoding request held (one past its first decode step, whose step before, the prefill, may
-    still be in flight under async scheduling)."""
+    decoding request held in KV group `group` (one past its first decode step, whose step
+    before, the prefill, may still be in flight under async scheduling)."""
     engine = s.engine
     mgr = engine.kv_cache_manager
     ids = [s.submit(p, GREEDY) for p in prompts]
@@ -145,11 +149,17 @@ def _run_watching(s: Session, prompts: list[list[int]]) -> tuple[list[list[int]]
         for out in s.step():
             tokens[out.request_id] = list(out.token_ids)
         running = engine.scheduler.running
-        held = [mgr.num_held_blocks(r.request_id) for r in running if r.num_output_tokens >= 2]
+        held = [
+            sum(b != 0 for b in mgr.get_block_ids(r.request_id, group))
+            for r in running
+            if r.num_output_tokens >= 2
+        ]
         if held:
             widest.append(max(held))
         # The pool agrees: the blocks in use are those the running requests' tables name.
-        named = {b for r in running for b in mgr.get_block_ids(r.request_id)} - {0}
+        named = {
+            b for r in running for table in mgr.get_block_tables(r.request_id) for b in table
+        } - {0}
         assert _held(mgr) == len(named)
         mgr.check_invariants()
     return [tokens[rid] for rid in ids], widest
@@ -162,7 +172,7 @@ def test_windowed_model_holds_its_window_and_matches_hf(saved, monkeypatch) -> N
     common = dict(block_size=BS, max_model_len=256, enable_prefix_caching=False)
 
     with Session(str(path), max_num_seqs=1, **common) as s:
-        assert s.engine.kv_cache_manager.sliding_window == WINDOW
+        assert s.engine.kv_cache_manager.windows == (WINDOW,)
         got, widest = _run_watching(s, [PROMPTS[0]])
         assert got == want[:1]
         assert len(widest) > GEN // 2 and max(widest) <= DECODE_BOUND
@@ -174,9 +184,13 @@ def test_windowed_model_holds_its_window_and_matches_hf(saved, monkeypatch) -> N
             # The table still indexes by position: the released entries are the null block.
             assert s.engine.kv_cache_manager.usage == 0.0
     # The same run keeping every block gives the same tokens, and holds the whole sequence.
-    monkeypatch.setattr(engine_module, "kv_window", lambda model: None)
+    monkeypatch.setattr(
+        rank_module,
+        "plan_kv_groups",
+        lambda windows, separate: plan_kv_groups([None] * len(windows), separate),
+    )
     with Session(str(path), **common) as s:
-        assert s.engine.kv_cache_manager.sliding_window is None
+        assert s.engine.kv_cache_manager.windows == (None,)
         got, widest = _run_watching(s, PROMPTS)
         assert got == want and max(widest) == FULL_BLOCKS
 
@@ -259,21 +273,27 @@ def test_capacity_counts_the_window(saved, tmp_path: Path) -> None:
         )
 
 
-def test_hybrid_model_keeps_every_block_and_stays_exact(saved) -> None:
+def test_hybrid_model_releases_its_sliding_groups_and_stays_exact(saved) -> None:
     path, greedy = saved("gemma3")
     want = [greedy(p) for p in PROMPTS]
     assert all(len(set(w)) > 8 for w in want), "degenerate reference"
     with Session(str(path), block_size=BS, max_model_len=256) as s:
-        assert s.engine.kv_cache_manager.sliding_window is None  # full layers read every block
+        # Layers sliding, full, sliding: groups of one layer, the two sliding ones first.
+        mgr = s.engine.kv_cache_manager
+        assert mgr.windows == (WINDOW, WINDOW, None)
+        assert [a.kv_group for a in s.engine.model.attention_layers()] == [0, 2, 1]
         first = s.generate(PROMPTS[0], GREEDY)
         assert first.token_ids == want[0]
-        got, widest = _run_watching(s, PROMPTS)  # PROMPTS[0] whole, PROMPTS[1] 24 tokens hit
-        assert got == want and max(widest) == FULL_BLOCKS
+        for group, bound in ((0, DECODE_BOUND), (1, DECODE_BOUND), (2, FULL_BLOCKS)):
+            got, widest = _run_watching(s, PROMPTS, group)  # PROMPTS[0] whole, [1] 24 hit
+            assert got == want and max(widest) == bound, group
         cont = PROMPTS[0] + list(first.token_ids)[:50]
         out = s.generate(cont, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
         assert out.token_ids == greedy(cont, 24) and out.num_cached_tokens >= 88
+    # One sequence needs 32 blocks of its full group and 11 of each sliding one (steps of 16
+    # tokens): 55 with the null block; two decoding requests need more than 60.
     with Session(
-        str(path), block_size=BS, max_model_len=128, num_gpu_blocks=40, max_num_batched_tokens=16
+        str(path), block_size=BS, max_model_len=128, num_gpu_blocks=60, max_num_batched_tokens=16
     ) as s:
         got, _ = _run_watching(s, PROMPTS)
         assert got == want and s.stats()["num_preemptions"] > 0

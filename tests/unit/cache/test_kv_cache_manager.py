@@ -121,13 +121,13 @@ def test_hits_on_free_blocks_count_against_free_blocks() -> None:
     mgr.free(a)  # all 4 free; 3 of them cached
     b = FakeRequest("b", list(range(12)) + [7, 7, 7, 7, 7, 7])
     hits, num_hit = mgr.get_computed_blocks(b)
-    assert num_hit == 12 and all(h.ref_cnt == 0 for h in hits)
+    assert num_hit == 12 and all(h.ref_cnt == 0 for h in hits[0])  # one KV group
     before = snapshot(mgr, ["b"])
     # 2 more blocks needed, 4 free, but 3 of those are the hits themselves: only 1 is left.
     assert mgr.allocate_slots(b, 6, hits) is None
     assert snapshot(mgr, ["b"]) == before
     assert mgr.allocate_slots(b, 4, hits) is not None  # 1 more block fits exactly
-    assert mgr.num_free_blocks == 0 and [h.ref_cnt for h in hits] == [1, 1, 1]
+    assert mgr.num_free_blocks == 0 and [h.ref_cnt for h in hits[0]] == [1, 1, 1]
     mgr.check_invariants()
 
 
@@ -178,7 +178,7 @@ def test_never_a_hit_on_all_tokens() -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     admit(mgr, FakeRequest("a", list(range(8))))  # 2 full cached blocks
     hits, n = mgr.get_computed_blocks(FakeRequest("b", list(range(8))))
-    assert n == 4 and len(hits) == 1  # the last token must still be computed
+    assert n == 4 and len(hits[0]) == 1  # the last token must still be computed
     _, n = mgr.get_computed_blocks(FakeRequest("c", list(range(4))))
     assert n == 0
     _, n = mgr.get_computed_blocks(FakeRequest("d", list(range(9))))

@@ -47,7 +47,7 @@ def held(mgr: KVCacheManager) -> int:
 
 @pytest.mark.parametrize("window", [1, 5, 8, 9])
 def test_decode_holds_at_most_the_window(window: int) -> None:
-    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=window)
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, windows=(window,))
     req = Req("a", list(range(30)))
     admit(mgr, req)
     mgr.step_finished("a", 0)
@@ -78,7 +78,7 @@ def test_without_a_window_every_block_is_kept() -> None:
 
 def test_a_step_in_flight_keeps_its_window() -> None:
     """Until a step is finished, the blocks its start needs stay (it may be run again)."""
-    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=8)
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, windows=(8,))
     req = Req("a", list(range(40)))
     admit(mgr, req)  # the prefill, computing from 0, is in flight
     req.output.append(7)
@@ -94,7 +94,7 @@ def test_a_step_in_flight_keeps_its_window() -> None:
 
 def test_released_table_is_a_new_list() -> None:
     """The tensor-parallel step messages send what was appended to the list last sent."""
-    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=4)
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, windows=(4,))
     req = Req("a", list(range(8)))
     admit(mgr, req)
     mgr.step_finished("a", 0)
@@ -106,7 +106,7 @@ def test_released_table_is_a_new_list() -> None:
 
 
 def test_released_cached_blocks_stay_findable_until_reused() -> None:
-    mgr = KVCacheManager(num_blocks=40, block_size=BS, sliding_window=8)
+    mgr = KVCacheManager(num_blocks=40, block_size=BS, windows=(8,))
     req = Req("a", list(range(20)))
     admit(mgr, req)
     mgr.step_finished("a", 0)
@@ -116,7 +116,8 @@ def test_released_cached_blocks_stay_findable_until_reused() -> None:
     # 5..12), still cached though released.
     other = Req("b", list(range(12)) + [5, 5])
     hits, n = mgr.get_computed_blocks(other)
-    assert n == 12 and hits[0].is_null and not hits[1].is_null and not hits[2].is_null
+    table = hits[0]  # one KV group
+    assert n == 12 and table[0].is_null and not table[1].is_null and not table[2].is_null
     assert mgr.allocate_slots(other, 2, hits) is not None
     assert mgr.get_block_ids("b")[0] == 0
     mgr.check_invariants()
@@ -124,7 +125,7 @@ def test_released_cached_blocks_stay_findable_until_reused() -> None:
 
 def test_window_hit_past_an_evicted_head() -> None:
     """A lookup that stopped at the first miss would find nothing: block 0 was evicted."""
-    mgr = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=8)
+    mgr = KVCacheManager(num_blocks=12, block_size=BS, windows=(8,))
     a = Req("a", list(range(32)))
     admit(mgr, a, chunk=16)
     mgr.step_finished("a", 0)
@@ -140,13 +141,13 @@ def test_window_hit_past_an_evicted_head() -> None:
     assert mgr.block_pool.get_cached_block(hashes[0], list(range(4))) is None
     hits, n = mgr.get_computed_blocks(probe)
     assert n == 32  # needs blocks 6 and 7 (position 32 sees 25..32) and they are cached
-    assert all(h.is_null for h in hits[:6]) and not any(h.is_null for h in hits[6:])
+    assert all(h.is_null for h in hits[0][:6]) and not any(h.is_null for h in hits[0][6:])
     assert mgr.allocate_slots(probe, 1, hits) is not None
     mgr.check_invariants()
 
 
 def test_window_hit_is_cut_where_the_window_is_missing() -> None:
-    mgr = KVCacheManager(num_blocks=20, block_size=BS, sliding_window=8)
+    mgr = KVCacheManager(num_blocks=20, block_size=BS, windows=(8,))
     a = Req("a", list(range(24)))
     admit(mgr, a)
     mgr.free(a)
@@ -162,7 +163,7 @@ def test_window_hit_is_cut_where_the_window_is_missing() -> None:
 
 
 def test_allocation_failure_with_a_window_is_atomic() -> None:
-    mgr = KVCacheManager(num_blocks=6, block_size=BS, sliding_window=4)  # 5 usable
+    mgr = KVCacheManager(num_blocks=6, block_size=BS, windows=(4,))  # 5 usable
     a = Req("a", list(range(12)))
     admit(mgr, a)
     mgr.step_finished("a", 0)
@@ -181,8 +182,8 @@ def test_allocation_failure_with_a_window_is_atomic() -> None:
 def test_window_blocks_per_seq() -> None:
     assert window_blocks_per_seq(8, 4, 1) == 4  # decode with a step of slack: 9 positions
     assert window_blocks_per_seq(4096, 16, 2048) == 513
-    with pytest.raises(ValueError, match="sliding_window"):
-        KVCacheManager(num_blocks=4, block_size=BS, sliding_window=0)
+    with pytest.raises(ValueError, match="windows"):
+        KVCacheManager(num_blocks=4, block_size=BS, windows=(0,))
 
 
 class KVModel:
@@ -224,7 +225,7 @@ class KVModel:
 def test_randomized_windowed_requests_keep_every_invariant(seed: int) -> None:
     rng = random.Random(seed)
     window = rng.choice([3, 6, 8])
-    mgr = KVCacheManager(num_blocks=16, block_size=BS, sliding_window=window)
+    mgr = KVCacheManager(num_blocks=16, block_size=BS, windows=(window,))
     kv = KVModel(mgr, window)
     prefixes = [[rng.randrange(30) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
     waiting: list[Req] = []

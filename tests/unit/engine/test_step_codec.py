@@ -26,7 +26,7 @@ class _Request:
         row = None
         if sampling:
             row = SamplingRow(self.params, 3, position, self.prompt, self.outputs, (2,))
-        return ScheduledRequest(self.rid, [5], position - 1, self.blocks, row, [9, 8])
+        return ScheduledRequest(self.rid, [5], position - 1, [self.blocks], row, [9, 8])
 
 
 def _send(encoder: StepEncoder, decoder: StepDecoder, requests, preempted=()) -> tuple:
@@ -102,8 +102,8 @@ def test_grammar_masks_reach_the_workers():
     after = torch.tensor([[3, 0], [0, 9]], dtype=torch.int32)
     outputs: list[int] = []
     row = SamplingRow(params, 3, 4, [1, 2, 3], outputs, (), first)
-    constrained = ScheduledRequest("c", [5, 9, 8], 3, [1], row, [9, 8], draft_grammar_masks=after)
-    plain = ScheduledRequest("p", [5], 2, [2], SamplingRow(params, 4, 3, [1, 2], [], ()))
+    constrained = ScheduledRequest("c", [5, 9, 8], 3, [[1]], row, [9, 8], draft_grammar_masks=after)
+    plain = ScheduledRequest("p", [5], 2, [[2]], SamplingRow(params, 4, 3, [1, 2], [], ()))
     for _ in range(2):  # new, then running (sent as deltas): the masks go each time
         step = SchedulerOutput([constrained, plain], [], kind=DECODE_STEP)
         message = pickle.loads(pickle.dumps(encoder.encode(step)))

@@ -27,7 +27,7 @@ def _request(rid, drafts, params, seed=0, position=10, output=(), draft_logits=N
         request_id=rid,
         token_ids=[5, *drafts],
         num_computed_tokens=position - 1,
-        block_ids=[1],
+        block_tables=[[1]],
         sampling=row,
         spec_token_ids=list(drafts),
         draft_logits=draft_logits,

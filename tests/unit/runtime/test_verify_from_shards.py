@@ -34,7 +34,7 @@ def _request(rid, params, num_drafts, seed, draft_logits=None, drafts=None, bann
         request_id=rid,
         token_ids=[5, *drafts],
         num_computed_tokens=19 + seed,
-        block_ids=[1],
+        block_tables=[[1]],
         sampling=row,
         spec_token_ids=list(drafts),
         draft_logits=draft_logits,

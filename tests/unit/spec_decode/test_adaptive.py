@@ -237,7 +237,7 @@ def test_step_overhead_is_learned_and_weighs_for_more_drafts() -> None:
 
     def step(drafts: list[int], prompt: bool = False) -> SchedulerOutput:
         return SchedulerOutput(requests=[
-            ScheduledRequest(f"r{i}", [1] * (1 + n + 5 * prompt), 9, [1], None, [2] * n)
+            ScheduledRequest(f"r{i}", [1] * (1 + n + 5 * prompt), 9, [[1]], None, [2] * n)
             for i, n in enumerate(drafts)
         ])  # fmt: skip
 
