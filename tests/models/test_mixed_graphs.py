@@ -11,7 +11,7 @@ import torch
 from libkk.graphs.capture import MixedGraphs
 from torch import nn
 
-from libkk.layers.forward_context import set_forward_context
+from libkk.layers.forward_context import grouped_metadata, set_forward_context
 from libkk.models.loader import load_model
 from tests.models.paged_helpers import PagedKV, build_attn_metadata
 
@@ -125,3 +125,50 @@ def test_capture_layout_keeps_each_request_within_a_block_table_row(tiny_qwen3_d
     assert not graphs.can_run(three, 3)  # padded to 8: 5 padding tokens, more than a row
     _, _, five = build_attn_metadata([([5, 6, 7], 0), ([8, 9], 0)], [[3], [5]], BLOCK)
     assert graphs.can_run(five, 5)  # 3 padding tokens
+
+
+def test_staged_batch_keeps_each_kv_groups_tables(tiny_qwen3_dir):
+    """Two KV groups (layer 1 in group 1, reading other blocks): the staged batch gives the
+    unpadded forward's rows, and each layer writes only its own group's blocks."""
+    model, kv = _prefilled(tiny_qwen3_dir)
+    layers = model.attention_layers()
+    layers[1].kv_group = 1
+    requests, tables = BATCHES["three requests"]
+    moved = [[b + 7 for b in table] for table in tables]  # group 1: blocks 10, 14, 12, 13, 15
+    ids, pos, first = build_attn_metadata(requests, tables, BLOCK)
+    _, _, second = build_attn_metadata(requests, moved, BLOCK)
+    # Request 0's cached context sits in block 3 of group 0: move layer 1's to block 10.
+    kv.caches[1][:, 10] = kv.caches[1][:, 3]
+    kv.caches[1][:, 3] = float("nan")
+    metadata = grouped_metadata(
+        torch.stack([first.slot_mapping, second.slot_mapping]),
+        torch.stack([first.block_table, second.block_table]),
+        query_start_loc=first.query_start_loc,
+        seq_lens=first.seq_lens,
+        block_size=BLOCK,
+        max_query_len=first.max_query_len,
+        max_seq_len=first.max_seq_len,
+        query_start_loc_cpu=first.query_start_loc_cpu,
+        seq_lens_cpu=first.seq_lens_cpu,
+    )
+    before = [c.clone() for c in kv.caches]
+    t = ids.shape[0]
+    with torch.inference_mode():
+        with set_forward_context(metadata, model):
+            want = model.forward(ids, pos)
+        written = [
+            {i for i in range(1, 16) if not c[:, i].nan_to_num(7).equal(b[:, i].nan_to_num(7))}
+            for c, b in zip(kv.caches, before, strict=True)
+        ]
+        for cache, old in zip(kv.caches, before, strict=True):
+            cache.copy_(old)
+        graphs = MixedGraphs(
+            model.forward, model=model, capture_sizes=[16], max_num_seqs=4, max_blocks_per_seq=4,
+            block_size=BLOCK, device=torch.device("cpu"), num_kv_groups=2,
+        )  # fmt: skip
+        graphs.block_table.fill_(15)  # stale tables from earlier steps must not be read
+        size, staged = graphs.stage(ids, pos, metadata)
+        with set_forward_context(staged, model):
+            got = model.forward(graphs.input_ids[:size], graphs.positions[:size])
+    assert written[0] == {7, 5, 6, 8} and written[1] == {14, 12, 13, 15}
+    torch.testing.assert_close(got[:t], want, rtol=1e-5, atol=1e-5)

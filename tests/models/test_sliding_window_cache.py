@@ -290,6 +290,9 @@ def test_hybrid_model_releases_its_sliding_groups_and_stays_exact(saved) -> None
         cont = PROMPTS[0] + list(first.token_ids)[:50]
         out = s.generate(cont, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
         assert out.token_ids == greedy(cont, 24) and out.num_cached_tokens >= 88
+    with Session(str(path), block_size=BS, max_model_len=256, async_scheduling=True) as s:
+        got, widest = _run_watching(s, PROMPTS, group=1)
+        assert got == want and max(widest) == DECODE_BOUND
     # One sequence needs 32 blocks of its full group and 11 of each sliding one (steps of 16
     # tokens): 55 with the null block; two decoding requests need more than 60.
     with Session(
