@@ -379,17 +379,8 @@ class KVCacheManager:
             )
         request_id = request.request_id
         num_held = self.num_blocks_of(request_id)
-        hit_tables = new_computed_blocks or [[] for _ in self.windows]
-        if len(hit_tables) != self.num_groups:
-            raise ValueError(f"prefix hits for {len(hit_tables)} KV groups, not {self.num_groups}")
+        hit_tables = self._checked_hits(request, new_computed_blocks, num_held)
         num_hits = len(hit_tables[0])
-        if num_hits and (num_held or request.num_computed_tokens):
-            raise ValueError(
-                f"request {request_id!r}: prefix hits need a request with no blocks and no computed "
-                f"tokens, it holds {num_held} blocks and {request.num_computed_tokens} tokens"
-            )
-        if num_hits:
-            self._check_hits_current(request, hit_tables)
         bs = self.block_size
         num_computed = request.num_computed_tokens + num_hits * bs
         num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
@@ -420,26 +411,10 @@ class KVCacheManager:
             self._last_start[request_id] = num_computed
         self._tables[request_id] = tables
         replaced = request_id not in self._block_tables
-        for group, table in enumerate(tables):
-            first, group_hits = firsts[group], hits[group]
-            if first > table.num_released and table.blocks:
-                # Oldest first: among them the oldest cached block is evicted first.
-                self.block_pool.free_blocks(releasing[group])
-                table.blocks[table.num_released : first] = [self.block_pool.null_block] * (
-                    first - table.num_released
-                )
-                # NOTE: a new list, not the old one changed: a table handed out only ever grows
-                # (the tensor-parallel step messages send what was appended to the list last
-                # sent).
-                table.block_ids = [0] * first + table.block_ids[first:]
-                table.num_released = first
-                replaced = True
-            if group_hits:
-                self.block_pool.touch(b for b in group_hits if not b.is_null)
-                table.blocks.extend(group_hits)
-                table.block_ids.extend(b.block_id for b in group_hits)
-                table.num_registered = len(group_hits)  # hits are cached already
-                table.num_released = min(first, len(group_hits))
+        for table, first, group_releasing, group_hits in zip(
+            tables, firsts, releasing, hits, strict=True
+        ):
+            replaced |= self._release_and_take_hits(table, first, group_releasing, group_hits)
         # NOTE: only now, once every group's hits are referenced: a free hit of one group must
         # not be handed out as another group's fresh block.
         new_blocks: list[KVCacheBlock] = []
@@ -454,6 +429,53 @@ class KVCacheManager:
         if replaced:
             self._block_tables[request_id] = [t.block_ids for t in tables]
         return new_blocks
+
+    def _checked_hits(
+        self, request: CacheRequest, hits: PrefixHit | None, num_held: int
+    ) -> PrefixHit:
+        """The prefix hits `allocate_slots` was given, one (maybe empty) table per group."""
+        if not hits:
+            return [[] for _ in self.windows]
+        if len(hits) != self.num_groups:
+            raise ValueError(f"prefix hits for {len(hits)} KV groups, not {self.num_groups}")
+        if hits[0] and (num_held or request.num_computed_tokens):
+            raise ValueError(
+                f"request {request.request_id!r}: prefix hits need a request with no blocks and "
+                f"no computed tokens, it holds {num_held} blocks and "
+                f"{request.num_computed_tokens} tokens"
+            )
+        if hits[0]:
+            self._check_hits_current(request, hits)
+        return hits
+
+    def _release_and_take_hits(
+        self,
+        table: _Table,
+        first: int,
+        releasing: list[KVCacheBlock],
+        hits: list[KVCacheBlock],
+    ) -> bool:
+        """Releases a group's table entries before `first` and appends its hits; True if its
+        block-id list was replaced."""
+        replaced = False
+        if first > table.num_released and table.blocks:
+            # Oldest first: among them the oldest cached block is evicted first.
+            self.block_pool.free_blocks(releasing)
+            table.blocks[table.num_released : first] = [self.block_pool.null_block] * (
+                first - table.num_released
+            )
+            # NOTE: a new list, not the old one changed: a table handed out only ever grows (the
+            # tensor-parallel step messages send what was appended to the list last sent).
+            table.block_ids = [0] * first + table.block_ids[first:]
+            table.num_released = first
+            replaced = True
+        if hits:
+            self.block_pool.touch(b for b in hits if not b.is_null)
+            table.blocks.extend(hits)
+            table.block_ids.extend(b.block_id for b in hits)
+            table.num_registered = len(hits)  # hits are cached already
+            table.num_released = min(first, len(hits))
+        return replaced
 
     def _check_hits_current(self, request: CacheRequest, hits: PrefixHit) -> None:
         # A hit evicted and reused between lookup and allocation would serve another prefix's KV.

@@ -174,7 +174,7 @@ def build_rank(
         kv_caches,
         config.cache.block_size,
         device,
-        kv_groups=kv_groups.layer_groups,
+        layer_kv_groups=kv_groups.layer_groups,
         compilation=config.compilation,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=plan.max_model_len,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from libkk.layers.forward_context import AttentionMetadata, grouped_metadata
-from libkk.runtime.io import SchedulerOutput
+from libkk.runtime.io import ScheduledRequest, SchedulerOutput
 from libkk.sample.sampler import SamplingRow
 
 
@@ -47,24 +47,8 @@ def build_input_batch(
     row_req = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[row_req] + starts[row_req]
 
-    # Each request's first ceil(seq_len / block_size) blocks in every KV group, padded with the
-    # null block (0). Every group's table of a request has the same length.
-    num_blocks = (seq_lens + block_size - 1) // block_size
-    max_blocks = int(num_blocks.max())
-    block_tables = np.zeros((num_kv_groups, num_reqs, max_blocks), np.int32)
-    held = np.fromiter((len(r.block_tables[0]) for r in requests), np.int64, num_reqs)
-    num_filled = np.minimum(held, max_blocks)
-    filled_mask = np.arange(max_blocks)[None, :] < num_filled[:, None]
-    for group in range(num_kv_groups):
-        filled = np.fromiter(
-            chain.from_iterable(
-                r.block_tables[group] if h <= max_blocks else r.block_tables[group][:max_blocks]
-                for r, h in zip(requests, held.tolist(), strict=True)
-            ),
-            np.int32,
-            int(num_filled.sum()),
-        )
-        block_tables[group][filled_mask] = filled  # row-major
+    max_blocks = int(((seq_lens + block_size - 1) // block_size).max())
+    block_tables = _block_tables(requests, num_kv_groups, max_blocks)
     slot_mappings = (
         block_tables[:, row_req, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
@@ -110,6 +94,29 @@ def build_input_batch(
         sampling_request_ids=[requests[i].request_id for i in sampling],
         num_spec=num_spec,
     )
+
+
+def _block_tables(
+    requests: list[ScheduledRequest], num_kv_groups: int, max_blocks: int
+) -> np.ndarray:
+    """[G, num_reqs, max_blocks]: each request's first max_blocks blocks in every KV group (as
+    many in each), padded with the null block (0)."""
+    num_reqs = len(requests)
+    tables = np.zeros((num_kv_groups, num_reqs, max_blocks), np.int32)
+    held = np.fromiter((len(r.block_tables[0]) for r in requests), np.int64, num_reqs)
+    num_filled = np.minimum(held, max_blocks)
+    filled_mask = np.arange(max_blocks)[None, :] < num_filled[:, None]
+    for group in range(num_kv_groups):
+        filled = np.fromiter(
+            chain.from_iterable(
+                r.block_tables[group] if h <= max_blocks else r.block_tables[group][:max_blocks]
+                for r, h in zip(requests, held.tolist(), strict=True)
+            ),
+            np.int32,
+            int(num_filled.sum()),
+        )
+        tables[group][filled_mask] = filled  # row-major
+    return tables
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

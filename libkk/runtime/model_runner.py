@@ -43,7 +43,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         *,
-        kv_groups: Sequence[int] | None = None,
+        layer_kv_groups: Sequence[int] | None = None,
         compilation: CompilationConfig | None = None,
         max_num_seqs: int = 1,
         max_model_len: int = 1,
@@ -51,7 +51,7 @@ class ModelRunner:
         progress: bool = False,
         speculation: RunnerSpeculation | None = None,
     ) -> None:
-        """kv_caches: each attention layer's KV tensor; kv_groups: each layer's KV group (None:
+        """kv_caches: each attention layer's KV tensor; layer_kv_groups: each layer's KV group (None:
         one group; docs/memory.md); max_num_batched_tokens: the largest step (None: the
         scheduler's default), up to which graphs are captured and packed MoE tiles tuned;
         speculation: what verifying drafts needs (None: no speculation)."""
@@ -64,7 +64,7 @@ class ModelRunner:
         layers = model.attention_layers()
         if len(layers) != len(kv_caches):
             raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches")
-        kv_groups = list(kv_groups or [0] * len(layers))
+        kv_groups = list(layer_kv_groups or [0] * len(layers))
         for layer, cache, group in zip(layers, kv_caches, kv_groups, strict=True):
             layer.kv_cache, layer.kv_group = cache, group
         self.attention_layers = layers
