@@ -155,6 +155,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
@@ -440,10 +441,19 @@ def _mistral(f: _Fields, architecture: str) -> ArchConfig:
         f, architecture, default_theta=10000.0, default_eps=1e-6, default_max_position=4096 * 32
     )
     # NOTE: like transformers' MistralModel, every layer takes the window: a `layer_types` list
-    # (alternating windows, the Ministral classes) is not read for this architecture.
+    # is read only for MinistralForCausalLM (`_ministral`).
     # MistralConfig's default window is 4096; a config written with null has none.
     window = _sliding_window(f, 4096, base["max_position_embeddings"])
     return ArchConfig(**base, sliding_window=window)
+
+
+def _ministral(f: _Fields, architecture: str) -> ArchConfig:
+    """Ministral: Mistral whose `layer_types` say which layers take the window (transformers'
+    MinistralConfig: every layer, unless the list says otherwise)."""
+    mistral = _mistral(f, architecture)
+    num_layers = mistral.num_layers
+    layer_types = _layer_types(f, num_layers, num_layers + 1)  # absent: every layer sliding
+    return replace(mistral, layer_types=tuple(layer_types))
 
 
 def _phi3(f: _Fields, architecture: str) -> ArchConfig:
@@ -599,6 +609,7 @@ _PARSERS: dict[str, Callable[[_Fields, str], ArchConfig]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "MixtralForCausalLM": _mixtral,
     "MistralForCausalLM": _mistral,
+    "MinistralForCausalLM": _ministral,
     "Phi3ForCausalLM": _phi3,
     "Gemma3ForCausalLM": _gemma3,
     "Gemma3ForConditionalGeneration": _gemma3,

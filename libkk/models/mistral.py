@@ -1,8 +1,10 @@
-"""Mistral (and Ministral checkpoints that name MistralForCausalLM): Llama with a sliding window.
+"""Mistral and Ministral: Llama with a sliding window.
 
-Every layer attends over the last `sliding_window` positions (None: full attention), a setting of
-the ArchConfig that LlamaAttention hands to its Attention layer. With a window, the KV cache
-manager releases the blocks of a request that fell out of it (docs/memory.md).
+Every layer (Ministral: each layer its `layer_types` entry calls sliding) attends over the last
+`sliding_window` positions (None: full attention), a setting of the ArchConfig that
+LlamaAttention hands to its Attention layer. The KV cache manager releases the blocks that fell
+out of the window (a Ministral with full layers too keeps those in a KV group of their own,
+docs/memory.md).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ _MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "libkk.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "libkk.models.mixtral:MixtralForCausalLM",
     "MistralForCausalLM": "libkk.models.mistral:MistralForCausalLM",
+    # Mistral whose layer_types alternate sliding and full layers.
+    "MinistralForCausalLM": "libkk.models.mistral:MistralForCausalLM",
     "Phi3ForCausalLM": "libkk.models.phi3:Phi3ForCausalLM",
     "Gemma3ForCausalLM": "libkk.models.gemma3:Gemma3ForCausalLM",
     # The text tower only: the vision weights are skipped.

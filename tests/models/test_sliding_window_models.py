@@ -1,4 +1,5 @@
-"""Mistral and Phi-3 against transformers (eager attention, fp32, CPU), with sliding windows.
+"""Mistral, Ministral and Phi-3 against transformers (eager attention, fp32, CPU), with sliding
+windows.
 
 Tiny random models saved with `save_pretrained`; their windows (8) are far shorter than the
 40-token prompts, so every layer's mask matters. The Phi-3 model uses LongRoPE with an original
@@ -23,6 +24,7 @@ from engine_parity import check_engine_greedy, hf_greedy
 from paged_helpers import PagedKV
 from torch import nn
 
+from libkk.errors import CorruptCheckpointError
 from libkk.models.arch_config import parse_arch_config
 from libkk.models.loader import load_model
 from tests.checkpoints import save_with_word_tokenizer
@@ -49,6 +51,16 @@ _LONGROPE = dict(
 FAMILIES: dict[str, tuple[type, dict[str, Any], int | None]] = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=8, head_dim=32), 8),
     "mistral_full": (transformers.MistralConfig, dict(sliding_window=None), None),
+    # sliding layers around a full one: separate KV groups in the engine
+    "ministral": (
+        transformers.MinistralConfig,
+        dict(
+            sliding_window=8,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        8,
+    ),
     "phi3": (
         transformers.Phi3Config,
         dict(
@@ -130,7 +142,8 @@ def test_prefill_logits_match_hf(saved, family: str) -> None:
     path, hf = saved(family)
     kk, arch = load_model(path, torch.float32, torch.device("cpu"), progress=False)
     assert arch.sliding_window == FAMILIES[family][2]
-    assert [a.sliding_window for a in kk.attention_layers()] == [arch.sliding_window] * 3
+    windows = [a.sliding_window for a in kk.attention_layers()]
+    assert windows == ([8, None, 8] if family == "ministral" else [arch.sliding_window] * 3)
     logits = PagedKV(kk, block_size=4).prefill_logits(PROMPTS)  # one flat batch
     for prompt, got in zip(PROMPTS, logits, strict=True):
         want = hf(torch.tensor([prompt])).logits[0]
@@ -151,7 +164,7 @@ def test_bf16_tracks_hf_bf16(saved, family: str) -> None:
         assert (got - want).abs().max().item() < 0.2
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3"])
+@pytest.mark.parametrize("family", ["mistral", "ministral", "phi3"])
 def test_greedy_through_the_engine_matches_hf(saved, family: str) -> None:
     """32 greedy tokens: alone, batched, chunked (7-token steps) and from the prefix cache."""
     path, hf = saved(family)
@@ -176,3 +189,17 @@ def test_arch_config_fields(saved) -> None:
     mistral.pop("sliding_window")
     mistral["max_position_embeddings"] = 8192
     assert parse_arch_config(mistral).sliding_window == 4096  # MistralConfig's default
+
+
+def test_ministral_layer_types(saved) -> None:
+    import json
+
+    path, _ = saved("ministral")
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["MinistralForCausalLM"]
+    arch = parse_arch_config(raw)
+    assert [arch.window_of(i) for i in range(3)] == [8, None, 8]
+    del raw["layer_types"]  # MinistralConfig's default: every layer takes the window
+    assert [parse_arch_config(raw).window_of(i) for i in range(3)] == [8, 8, 8]
+    with pytest.raises(CorruptCheckpointError, match="layer_types"):
+        parse_arch_config({**raw, "layer_types": ["sliding_attention"]})
