@@ -116,7 +116,7 @@ def test_unknown_architecture_lists_supported(single: Path) -> None:
         _load(single)
     for name in registry.supported_architectures():
         assert name in str(info.value)
-    assert len(registry.supported_architectures()) == 10
+    assert len(registry.supported_architectures()) == 11
 
 
 def test_registry_and_parsers_agree() -> None:
