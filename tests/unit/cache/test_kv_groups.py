@@ -1,6 +1,7 @@
 """Separate KV groups (hybrid models): how layers are grouped, per-group block tables over one
 pool, windowed groups releasing blocks while full groups keep them, prefix hits every group can
-serve, atomic allocation, and sizing."""
+serve, atomic allocation, and sizing. The randomized test drives one windowed group (every layer
+windowed) and hybrid layouts alike."""
 
 from __future__ import annotations
 
@@ -164,12 +165,25 @@ class GroupKV:
                 got = self.slots.get((block.block_id, pos % BS))
                 assert got == (group, tuple(tokens[: pos + 1])), (req.request_id, group, pos)
 
+    def check_cached(self) -> None:
+        """Every cached block holds its own tokens' KV, of the group it is cached in."""
+        for block in self.mgr.block_pool.blocks:
+            if block.token_ids is not None:
+                stored = [self.slots[block.block_id, i] for i in range(BS)]
+                assert all(group == block.group for group, _ in stored)
+                assert tuple(prefix[-1] for _, prefix in stored) == block.token_ids
 
-@pytest.mark.parametrize("seed", range(4))
-def test_randomized_requests_over_several_groups_keep_every_invariant(seed: int) -> None:
+
+# One windowed group (every layer windowed: Mistral), and hybrid layouts of several groups.
+LAYOUTS = [(3,), (6,), (8,), (6, None), (3, 3, None), (None, 8, 5)]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("windows", LAYOUTS, ids=str)
+def test_randomized_requests_keep_every_invariant(windows: tuple, seed: int) -> None:
     rng = random.Random(seed)
-    windows = rng.choice([(6, None), (3, 3, None), (None, 8, 5)])
-    mgr = KVCacheManager(num_blocks=48, block_size=BS, windows=windows)
+    num_blocks = 16 * len(windows)
+    mgr = KVCacheManager(num_blocks=num_blocks, block_size=BS, windows=windows)
     kv = GroupKV(mgr)
     prefixes = [[rng.randrange(30) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
     waiting: list[Req] = []
@@ -208,7 +222,13 @@ def test_randomized_requests_over_several_groups_keep_every_invariant(seed: int)
                 req.output.append(rng.randrange(30))
             start = req.num_computed_tokens
             num_new = rng.randint(1, min(6, len(req.all_token_ids) - start))
+            before = ([list(t) for t in mgr.get_block_tables(req.request_id)], mgr.num_free_blocks)
             if mgr.allocate_slots(req, num_new) is None:
+                after = (
+                    [list(t) for t in mgr.get_block_tables(req.request_id)],
+                    mgr.num_free_blocks,
+                )
+                assert after == before  # a refused allocation changes nothing
                 counts["failed"] += 1
                 preempt(req)
                 continue
@@ -221,7 +241,7 @@ def test_randomized_requests_over_several_groups_keep_every_invariant(seed: int)
                 held = sum(b != 0 for b in mgr.get_block_ids(req.request_id, group))
                 if window is not None:
                     assert held <= window_blocks_per_seq(window, BS, 8)
-            if len(req.all_token_ids) > 40:
+            if len(req.all_token_ids) > 60:
                 running.remove(req)
                 mgr.free(req)
                 counts["finished"] += 1
@@ -235,15 +255,16 @@ def test_randomized_requests_over_several_groups_keep_every_invariant(seed: int)
                 counts["finished"] += 1
 
         mgr.check_invariants()
+        kv.check_cached()
         for req in running:
             kv.check(req)
         in_use = {b for r in running for t in mgr.get_block_tables(r.request_id) for b in t} - {0}
-        assert mgr.num_free_blocks + len(in_use) == 47
+        assert mgr.num_free_blocks + len(in_use) == num_blocks - 1
 
     assert counts["failed"] and counts["hit_tokens"] and counts["finished"] and counts["released"]
     for req in running:
         mgr.free(req)
-    assert mgr.num_free_blocks == 47
+    assert mgr.num_free_blocks == num_blocks - 1
 
 
 def test_a_host_tier_takes_one_group_only() -> None:
