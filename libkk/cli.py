@@ -298,7 +298,10 @@ def cmd_info(args: argparse.Namespace) -> int:
                 "weights_mib": round(engine.weights_bytes / 2**20, 1),
                 "kv_cache_mib": round(engine.kv_cache_bytes / 2**20, 1),
                 "kv_blocks": engine.num_blocks,
+                # Token slots of the pool, a layer each: with several KV groups the groups share
+                # them (a sliding group holds a window's worth per sequence).
                 "kv_tokens": engine.num_blocks * engine.config.cache.block_size,
+                "kv_group_windows": list(engine.kv_cache_manager.windows),
             },
             "settings": engine.config.to_dict(),
         }
