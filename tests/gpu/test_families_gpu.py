@@ -3,7 +3,8 @@ eager forward, with the forward compiled and without.
 
 Tiny random models built with transformers, fp32, greedy. Prompts are longer than the sliding
 windows (8) and generate past them, so windowed layers read through the released blocks of the
-paged cache (Mistral, Phi-3) or beside full layers in one block table (Gemma 3). Qwen3, Qwen3-MoE
+paged cache (Mistral, Phi-3), and hybrid models (Gemma 3, Ministral) run separate KV groups: the
+graphs' stacked block tables and slot mappings, each layer reading its group's. Qwen3, Qwen3-MoE
 and gpt-oss have their own GPU tests (test_cuda_graphs.py, test_moe_gpu.py, test_gpt_oss_gpu.py).
 """
 
@@ -33,6 +34,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=32)),
+    "ministral": (
+        "MinistralConfig", "MinistralForCausalLM",
+        dict(sliding_window=8, head_dim=32,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
     "phi3": (
         "Phi3Config", "Phi3ForCausalLM",
         dict(sliding_window=8, original_max_position_embeddings=32, partial_rotary_factor=0.5,
