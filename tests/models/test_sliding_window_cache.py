@@ -331,14 +331,16 @@ def test_window_hit_from_the_host_tier(saved) -> None:
         assert s.stats()["offload_blocks_restored"] >= 2
 
 
-def test_speculative_verification_with_a_window(saved) -> None:
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_speculative_verification_with_a_window(saved, family: str) -> None:
     """n-gram drafts ride on decode steps (1 + n tokens a step; rejected drafts' slots are
-    written again later): still transformers' tokens, still a window's worth of blocks."""
-    path, greedy = saved("mistral")
+    written again later): still transformers' tokens, still a window's worth of blocks (in
+    Gemma 3's sliding groups)."""
+    path, greedy = saved(family)
     want = [greedy(p) for p in PROMPTS]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "draft_backoff": False}
     with Session(str(path), block_size=BS, max_model_len=256, speculative=spec) as s:
-        got, widest = _run_watching(s, PROMPTS)
+        got, widest = _run_watching(s, PROMPTS)  # group 0: sliding in both
         assert got == want
         assert s.stats()["spec_num_verify_steps"] > 0
         assert max(widest) <= -(-(WINDOW + 4) // BS) + 1  # the window and 1 + 4 tokens
