@@ -134,8 +134,6 @@ class KVCacheManager:
                 b.block_hash, b.parent_hash, b.token_ids, b.block_id
             )
         self._tables: dict[str, list[_Table]] = {}
-        # Per request, every group's `block_ids` list (the scheduler hands it to the runner).
-        self._block_tables: dict[str, list[list[int]]] = {}
         # Windowed groups: the first position of each request's previous allocation (its step
         # may still be in flight, and is run again from there if it fails).
         self._last_start: dict[str, int] = {}
@@ -195,9 +193,9 @@ class KVCacheManager:
         return tables[group].block_ids if tables else []
 
     def get_block_tables(self, request_id: str) -> list[list[int]]:
-        """Every group's block table (`get_block_ids`), in group order; the outer list is
-        replaced, never changed, when a group's table is."""
-        return self._block_tables.get(request_id) or [[] for _ in self.windows]
+        """Every group's block table (`get_block_ids`: live lists), in group order."""
+        tables = self._tables.get(request_id)
+        return [t.block_ids for t in tables] if tables else [[] for _ in self.windows]
 
     def num_blocks_of(self, request_id: str) -> int:
         """The length of the request's block table, each group's (released entries included)."""
@@ -410,11 +408,10 @@ class KVCacheManager:
         if any(w is not None for w in self.windows):
             self._last_start[request_id] = num_computed
         self._tables[request_id] = tables
-        replaced = request_id not in self._block_tables
         for table, first, group_releasing, group_hits in zip(
             tables, firsts, releasing, hits, strict=True
         ):
-            replaced |= self._release_and_take_hits(table, first, group_releasing, group_hits)
+            self._release_and_take_hits(table, first, group_releasing, group_hits)
         # NOTE: only now, once every group's hits are referenced: a free hit of one group must
         # not be handed out as another group's fresh block.
         new_blocks: list[KVCacheBlock] = []
@@ -426,8 +423,6 @@ class KVCacheManager:
             if self.enable_caching:
                 num_known = min(num_computed + num_new_tokens, len(request.all_token_ids))
                 self._cache_full_blocks(request, group, table, num_known // bs)
-        if replaced:
-            self._block_tables[request_id] = [t.block_ids for t in tables]
         return new_blocks
 
     def _checked_hits(
@@ -454,10 +449,8 @@ class KVCacheManager:
         first: int,
         releasing: list[KVCacheBlock],
         hits: list[KVCacheBlock],
-    ) -> bool:
-        """Releases a group's table entries before `first` and appends its hits; True if its
-        block-id list was replaced."""
-        replaced = False
+    ) -> None:
+        """Releases a group's table entries before `first` and appends its hits."""
         if first > table.num_released and table.blocks:
             # Oldest first: among them the oldest cached block is evicted first.
             self.block_pool.free_blocks(releasing)
@@ -468,14 +461,12 @@ class KVCacheManager:
             # tensor-parallel step messages send what was appended to the list last sent).
             table.block_ids = [0] * first + table.block_ids[first:]
             table.num_released = first
-            replaced = True
         if hits:
             self.block_pool.touch(b for b in hits if not b.is_null)
             table.blocks.extend(hits)
             table.block_ids.extend(b.block_id for b in hits)
             table.num_registered = len(hits)  # hits are cached already
             table.num_released = min(first, len(hits))
-        return replaced
 
     def _check_hits_current(self, request: CacheRequest, hits: PrefixHit) -> None:
         # A hit evicted and reused between lookup and allocation would serve another prefix's KV.
@@ -508,7 +499,6 @@ class KVCacheManager:
 
     def free_request_id(self, request_id: str) -> None:
         tables = self._tables.pop(request_id, ())
-        self._block_tables.pop(request_id, None)
         self._last_start.pop(request_id, None)
         self._unadmitted_lookups.pop(request_id, None)
         self._hashes.pop(request_id)
@@ -546,8 +536,6 @@ class KVCacheManager:
         for request_id, tables in self._tables.items():
             if len({len(t.blocks) for t in tables}) != 1 or len(tables) != self.num_groups:
                 raise AssertionError(f"request {request_id!r}: groups' tables differ in length")
-            if self._block_tables.get(request_id) != [t.block_ids for t in tables]:
-                raise AssertionError(f"request {request_id!r}: block tables out of step")
             for group, table in enumerate(tables):
                 ids = [b.block_id for b in table.blocks]
                 released = table.num_released
