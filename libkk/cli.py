@@ -500,6 +500,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         gen_batch_size=args.gen_batch_size,
         temperature=args.temperature,
         plain_fraction=args.plain_fraction,
+        wide_prompts=args.wide_prompts,
         steps=args.steps,
         seqs_per_step=args.seqs_per_step,
         blocks_per_seq=args.blocks_per_seq,
@@ -754,6 +755,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="share of prompts given as plain text, without the chat template (default: 0.5)",
+    )
+    td.add_argument(
+        "--wide-prompts",
+        action="store_true",
+        help="widen the built-in prompts with topics the target lists itself, nouns of its "
+        "vocabulary and standard-library function heads (default: the built-in prompts only)",
     )
     td.add_argument("--steps", type=int, default=1000, help="training steps")
     td.add_argument("--seqs-per-step", type=int, default=4, help="sequences per training step")

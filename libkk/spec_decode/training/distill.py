@@ -52,8 +52,11 @@ from libkk.spec_decode.training.target import (
     chat_prompt_ids,
     decoder_layers,
     generate,
+    library_signatures,
+    listed_topics,
     measure_acceptance,
     target_hidden_states,
+    vocabulary_topics,
 )
 
 
@@ -70,6 +73,10 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Share of the prompts given as plain text (no chat template): built-in plain openings, or
     # the caller's prompts as they are. The rest are chat prompts.
     plain_fraction: float = 0.5
+    # Widen the built-in training prompts with topics the target lists itself, nouns of its
+    # vocabulary and function heads of the standard library (`listed_topics`,
+    # `vocabulary_topics`, `library_signatures`): far more varied prompts.
+    wide_prompts: bool = False
     steps: int = 1000
     seqs_per_step: int = 4
     blocks_per_seq: int = 8
@@ -393,12 +400,11 @@ def train_drafter(
     begin = time.monotonic()
     torch.manual_seed(options.seed)
     stop_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
-    prompt_ids = training_prompt_ids(tokenizer, options, prompts)
     config = drafter_config_for(target, options, target_name)
     device = next(target.parameters()).device
 
     prompt_ids, continuations, hidden = _distillation_corpus(
-        target, config, prompt_ids, options, stop_ids, corpus_path, progress
+        target, config, tokenizer, prompts, options, stop_ids, corpus_path, progress
     )
     samples = [
         Sample(p + c, len(p), h) for p, c, h in zip(prompt_ids, continuations, hidden, strict=True)
@@ -434,12 +440,21 @@ def train_drafter(
 
 
 def training_prompt_ids(
-    tokenizer: Any, options: TrainOptions, prompts: Sequence[str] | None = None
+    tokenizer: Any,
+    options: TrainOptions,
+    prompts: Sequence[str] | None = None,
+    topics: Sequence[str] = (),
+    signatures: Sequence[str] = (),
 ) -> list[list[int]]:
     """`options.num_prompts` prompts: the chat ones first, then `plain_fraction` of them as plain
-    text (from `prompts`, else the built-in sets), each set repeated as needed."""
+    text (from `prompts`, else the built-in sets widened by `topics` and `signatures`), each set
+    repeated as needed."""
     num_plain = round(options.num_prompts * options.plain_fraction)
-    chat, plain = _prompt_texts(prompts, held_out=False)
+    if prompts is not None:
+        chat, plain = list(prompts), list(prompts)
+    else:
+        chat = builtin_prompts(False, topics)
+        plain = builtin_plain_prompts(False, topics, signatures)
     return [
         chat_prompt_ids(tokenizer, t) for t in _cycled(chat, options.num_prompts - num_plain)
     ] + [tokenizer.encode(t) for t in _cycled(plain, num_plain)]
@@ -450,18 +465,15 @@ def held_out_prompt_ids(
 ) -> dict[str, list[list[int]]]:
     """Evaluation prompts by kind: "chat" (chat-templated) and "plain" (no template), `count` of
     each: the first of `prompts`, else of the built-in held-out sets."""
-    chat, plain = _prompt_texts(prompts, held_out=True)
+    chat, plain = (
+        (list(prompts), list(prompts))
+        if prompts is not None
+        else (builtin_prompts(True), builtin_plain_prompts(True))
+    )
     return {
         "chat": [chat_prompt_ids(tokenizer, t) for t in chat[:count]],
         "plain": [tokenizer.encode(t) for t in plain[:count]],
     }
-
-
-def _prompt_texts(prompts: Sequence[str] | None, held_out: bool) -> tuple[list[str], list[str]]:
-    """(chat texts, plain texts): the caller's prompts for both, else the built-in sets."""
-    if prompts is not None:
-        return list(prompts), list(prompts)
-    return builtin_prompts(held_out), builtin_plain_prompts(held_out)
 
 
 def _cycled(texts: list[str], count: int) -> list[str]:
@@ -471,25 +483,35 @@ def _cycled(texts: list[str], count: int) -> list[str]:
 def _distillation_corpus(
     target: nn.Module,
     config: DFlashConfig,
-    prompt_ids: list[list[int]],
+    tokenizer: Any,
+    prompts: Sequence[str] | None,
     options: TrainOptions,
     stop_ids: list[int],
     corpus_path: str | Path | None,
     progress: bool,
 ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
-    """(prompts, the target's continuations, the hidden states of each whole sequence): the
-    continuations read from `corpus_path` if it exists, else generated (and written there)."""
+    """(prompts, the target's continuations, the hidden states of each whole sequence): read
+    from `corpus_path` if it exists, else generated (and written there)."""
     corpus = Path(corpus_path) if corpus_path is not None else None
+    continuations = None
+    if corpus is not None and corpus.is_file():  # generated earlier: reuse it
+        saved = json.loads(corpus.read_text(encoding="utf-8"))
+        pairs = list(zip(saved["sequences"], saved["prompt_lens"], strict=True))
+        prompt_ids = [s[:n] for s, n in pairs]
+        continuations = [s[n:] for s, n in pairs]
+    else:
+        topics, signatures = [], []
+        if options.wide_prompts and prompts is None:
+            with TargetRunner(target, config.target_layer_ids) as runner:
+                topics = listed_topics(runner, tokenizer, stop_ids, progress)
+            topics += vocabulary_topics(tokenizer)
+            signatures = library_signatures()
+        prompt_ids = training_prompt_ids(tokenizer, options, prompts, topics, signatures)
     # KV blocks for a whole generation batch (and for the 4096-token hidden-state steps).
     longest = max(len(p) for p in prompt_ids) + options.max_new_tokens + 1
     num_blocks = max(512, options.gen_batch_size * -(-longest // 16) + 2, 4096 // 16 + 64)
     with TargetRunner(target, config.target_layer_ids, num_blocks=num_blocks) as runner:
-        if corpus is not None and corpus.is_file():  # generated earlier: reuse it
-            saved = json.loads(corpus.read_text(encoding="utf-8"))
-            pairs = list(zip(saved["sequences"], saved["prompt_lens"], strict=True))
-            prompt_ids = [s[:n] for s, n in pairs]
-            continuations = [s[n:] for s, n in pairs]
-        else:
+        if continuations is None:
             continuations = generate(
                 runner,
                 prompt_ids,

@@ -7,6 +7,7 @@ verification step)."""
 from __future__ import annotations
 
 import random
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -607,21 +608,25 @@ _HELD_OUT_CODE_SIGNATURES = (
 _CODE_TEMPLATES = ("def {}:", "def {}:\n    ")
 
 
-def builtin_prompts(held_out: bool = False) -> list[str]:
+def builtin_prompts(held_out: bool = False, extra_topics: Sequence[str] = ()) -> list[str]:
     """Instruction prompts for the chat template (topics x templates); the held-out set shares no
-    topic with the rest."""
-    topics = _HELD_OUT_TOPICS if held_out else _TOPICS
+    topic with the rest. `extra_topics` join the training topics (`listed_topics`)."""
+    topics = _HELD_OUT_TOPICS if held_out else _TOPICS + tuple(extra_topics)
     prompts = [t.format(topic) for topic in topics for t in _TEMPLATES]
     random.Random(1234).shuffle(prompts)
     return prompts
 
 
-def builtin_plain_prompts(held_out: bool = False) -> list[str]:
+def builtin_plain_prompts(
+    held_out: bool = False, extra_topics: Sequence[str] = (), extra_signatures: Sequence[str] = ()
+) -> list[str]:
     """Plain-text openings to continue without a chat template: prose starts over the topics and
     Python function heads, one in four of them code; the held-out set shares no topic or function
-    with the rest."""
-    topics = _HELD_OUT_TOPICS if held_out else _TOPICS
-    signatures = _HELD_OUT_CODE_SIGNATURES if held_out else _CODE_SIGNATURES
+    with the rest. The extra topics and function heads join the training ones."""
+    topics = _HELD_OUT_TOPICS if held_out else _TOPICS + tuple(extra_topics)
+    signatures = (
+        _HELD_OUT_CODE_SIGNATURES if held_out else _CODE_SIGNATURES + tuple(extra_signatures)
+    )
     rng = random.Random(1234)
     prose = [_capitalized(t.format(topic)) for topic in topics for t in _PLAIN_TEMPLATES]
     code = [t.format(sig) for sig in signatures for t in _CODE_TEMPLATES]
@@ -633,6 +638,133 @@ def builtin_plain_prompts(held_out: bool = False) -> list[str]:
             mixed.append(code.pop())
         mixed.append(text)
     return mixed + code
+
+
+# Kinds of things the target is asked to list (`listed_topics`): a broad spread, so that the
+# training topics reach far beyond the hand-written ones above.
+_TOPIC_CATEGORIES = (
+    "animals", "birds", "insects", "fish", "trees", "flowers", "fruits", "vegetables", "spices",
+    "dishes from around the world", "desserts", "drinks", "sports", "board games",
+    "musical instruments", "music genres", "dances", "jobs", "tools", "machines", "vehicles",
+    "famous buildings", "natural wonders", "weather phenomena", "parts of the human body",
+    "diseases", "emotions", "fields of science", "chemical elements", "minerals and gemstones",
+    "planets and moons", "inventions", "historical events", "ancient civilizations", "countries",
+    "cities", "rivers", "mountains", "islands", "art movements", "programming languages",
+    "computer parts", "household objects", "clothing items", "holidays and festivals", "hobbies",
+    "crafts", "school subjects", "mathematical concepts", "physics concepts", "economic ideas",
+    "philosophical ideas", "materials", "energy sources", "space missions", "kinds of boats",
+    "farm activities", "types of rocks", "cooking methods", "medical devices", "internet services",
+    "literary genres", "martial arts", "camping gear", "kitchen utensils", "habits of good sleep",
+)  # fmt: skip
+_LIST_REQUESTS = (
+    "List 20 {}, one per line, names only.",
+    "Name 15 {} that many people have never heard of, one per line.",
+)
+
+
+def listed_topics(
+    runner: TargetRunner, tokenizer: Any, stop_ids: Sequence[int] = (), progress: bool = True
+) -> list[str]:
+    """Topics the target names itself when asked to list kinds of things (greedy, the chat
+    template): the names parsed out of its lists, deduplicated, none that shares a word with a
+    held-out topic (so the held-out prompts stay unseen)."""
+    asks = [r.format(c) for c in _TOPIC_CATEGORIES for r in _LIST_REQUESTS]
+    lists = generate(
+        runner, [chat_prompt_ids(tokenizer, a) for a in asks], 160, stop_ids, progress=progress
+    )
+    held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
+    seen = {t.lower() for t in _TOPICS}
+    topics = []
+    for tokens in lists:
+        for line in tokenizer.decode(tokens).splitlines():
+            name = _listed_name(line)
+            if name and name.lower() not in seen and not _topic_words(name) & held_out:
+                seen.add(name.lower())
+                topics.append(name)
+    return topics
+
+
+def _listed_name(line: str) -> str | None:
+    """The name a list item gives ("3. **Kayak** - a small boat" -> "Kayak"), or None (not a
+    list item, or not a short name)."""
+    item = re.match(r"\s*(?:\d+[.)]|[-*•])\s*(.*)", line)
+    if item is None:
+        return None
+    name = re.split(r"[:(\u2013\u2014]| - ", item.group(1).replace("*", ""))[0].strip(" .,;")
+    if re.fullmatch(r"[A-Za-z][A-Za-z' &-]{2,39}", name) and len(name.split()) <= 5:
+        return name
+    return None
+
+
+def _topic_words(topic: str) -> set[str]:
+    """A topic's words in lower case, each also without a plural's s or es ("the tornadoes" ->
+    {"tornadoes", "tornadoe", "tornado"}): two topics share a word if these sets meet."""
+    words = {w for w in re.findall(r"[a-z]+", topic.lower()) if w != "the"}
+    return (
+        words
+        | {w[:-1] for w in words if w.endswith("s")}
+        | {w[:-2] for w in words if w.endswith("es")}
+    )
+
+
+# Endings of abstract and technical nouns ("photography", "surveillance", "conductivity").
+_NOUN_ENDINGS = (
+    "tion", "sion", "ism", "ology", "graphy", "ment", "ness", "ity", "ics", "ance", "ence",
+    "ship", "hood", "ure", "cy", "sis",
+)  # fmt: skip
+
+
+def vocabulary_topics(tokenizer: Any) -> list[str]:
+    """Nouns of the target's own vocabulary: whole-word tokens of six or more lower-case letters
+    with a noun's ending, none sharing a word with a held-out topic (thousands of topics for a
+    typical vocabulary)."""
+    held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
+    topics = set()
+    for i in range(tokenizer.vocab_size):
+        text = tokenizer.decode([i])
+        if re.fullmatch(r" [a-z]{6,}", text) and text.endswith(_NOUN_ENDINGS):
+            if not _topic_words(text) & held_out:
+                topics.add(text[1:])
+    return sorted(topics)
+
+
+# Standard-library modules whose public Python functions give code prompts (`library_signatures`).
+_SIGNATURE_MODULES = (
+    "base64", "bisect", "calendar", "colorsys", "copy", "csv", "difflib", "fnmatch", "fractions",
+    "glob", "gzip", "heapq", "html", "ipaddress", "json", "mimetypes", "ntpath", "posixpath",
+    "pprint", "quopri", "random", "shlex", "shutil", "statistics", "string", "tempfile",
+    "textwrap", "tokenize", "urllib.parse", "uu", "uuid", "zipfile",
+)  # fmt: skip
+
+
+def library_signatures() -> list[str]:
+    """Function heads ("name(a, b=None)" as "name(a, b)") of the public Python functions of some
+    standard-library modules, none with a held-out name: many more code prompts than the
+    hand-written ones."""
+    import importlib
+    import inspect
+    import warnings
+
+    held_out = {s.split("(")[0] for s in _HELD_OUT_CODE_SIGNATURES}
+    heads = set()
+    for name in _SIGNATURE_MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except ImportError:  # removed in this Python
+            continue
+        for attr, fn in vars(module).items():
+            if attr.startswith("_") or attr in held_out or not inspect.isfunction(fn):
+                continue
+            try:
+                params = inspect.signature(fn).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+            args = ", ".join(stars.get(p.kind, "") + p.name for p in params)
+            heads.add(f"{attr}({args})")
+    return sorted(heads)
 
 
 def _capitalized(text: str) -> str:

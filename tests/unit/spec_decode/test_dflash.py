@@ -28,6 +28,7 @@ from libkk.spec_decode.dflash_model import (
     read_drafter_config,
     save_drafter,
 )
+from libkk.spec_decode.training import target as target_side
 from libkk.spec_decode.training.distill import (
     DrafterTrainer,
     Sample,
@@ -468,6 +469,54 @@ def test_training_prompts_mix_chat_and_plain_text() -> None:
     assert all(tok.encode("<user>")[0] == p[0] for p in evaluation["chat"])
     with pytest.raises(ConfigError, match="plain_fraction"):
         TrainOptions(plain_fraction=1.5)
+
+
+def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(monkeypatch):
+    """The names in the target's lists become topics: list items only, the name before any
+    description, once each, none sharing a word with a held-out topic or already built in."""
+    lists = [
+        "Here are some boats:\n1. **Kayak** - a small boat\n2. Penguins\n3. Mount Everest (Nepal)",
+        "- The Emperor Penguin\n* jazz music\n4. kayak\n5. Catamaran: two hulls\n*Yak*\n6. 42",
+        "1. Tea ceremonies\n2. Bicycle\n3. Octopus\n4. a very long name that goes on and on here",
+        "1. Volcanoes\n2. Sourdough bread",  # volcanoes are a built-in topic already
+    ]
+
+    class Listing(_ChatTokenizer):
+        def decode(self, ids: list[int]) -> str:
+            return lists[ids[0] % len(lists)]
+
+    asked = []
+
+    def fake_generate(runner, prompts, max_new_tokens, stop_ids, progress):
+        asked.extend(prompts)
+        return [[i] for i in range(len(prompts))]
+
+    monkeypatch.setattr(target_side, "generate", fake_generate)
+    topics = target_side.listed_topics(None, Listing(), progress=False)
+    assert len(asked) == len(target_side._TOPIC_CATEGORIES) * len(target_side._LIST_REQUESTS)
+    assert topics == ["Kayak", "Mount Everest", "Catamaran", "Yak", "Sourdough bread"]
+    # Those topics and library function heads widen the training prompts, never the held-out.
+    signatures = target_side.library_signatures()
+    names = {s.split("(")[0] for s in signatures}
+    assert len(signatures) > 200 and "dedent(text)" in signatures and "fib" not in names
+    widened = builtin_plain_prompts(False, topics, signatures)
+    assert "Notes on Kayak:\n-" in widened and "def dedent(text):" in widened
+    assert not set(widened) & set(builtin_plain_prompts(True))
+    assert "Explain Yak to a ten-year-old." in builtin_prompts(False, topics)
+    # Nouns of the vocabulary: whole words with a noun's ending, no held-out one.
+    words = [" photography", " renaissance", " quickly", " Ocean", "ship", " relaxation", " tea"]
+
+    class Vocabulary(_ChatTokenizer):
+        vocab_size = len(words)
+
+        def decode(self, ids: list[int]) -> str:
+            return words[ids[0]]
+
+    assert target_side.vocabulary_topics(Vocabulary()) == ["photography", "relaxation"]
+    opts = TrainOptions(num_prompts=10_000, plain_fraction=0.5, mask_token_id=MASK)
+    assert len({tuple(p) for p in training_prompt_ids(Listing(), opts, None, topics)}) > len(
+        {tuple(p) for p in training_prompt_ids(Listing(), opts)}
+    )
 
 
 def test_speculative_greedy_equals_plain_greedy_on_tiny_model(target) -> None:
