@@ -53,10 +53,9 @@ from libkk.spec_decode.training.target import (
     decoder_layers,
     generate,
     library_signatures,
-    listed_topics,
     measure_acceptance,
     target_hidden_states,
-    vocabulary_topics,
+    wide_topics,
 )
 
 
@@ -503,8 +502,7 @@ def _distillation_corpus(
         topics, signatures = [], []
         if options.wide_prompts and prompts is None:
             with TargetRunner(target, config.target_layer_ids) as runner:
-                topics = listed_topics(runner, tokenizer, stop_ids, progress)
-            topics += vocabulary_topics(tokenizer)
+                topics = wide_topics(runner, tokenizer, stop_ids, progress)
             signatures = library_signatures()
         prompt_ids = training_prompt_ids(tokenizer, options, prompts, topics, signatures)
     # KV blocks for a whole generation batch (and for the 4096-token hidden-state steps).

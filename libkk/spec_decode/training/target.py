@@ -640,6 +640,22 @@ def builtin_plain_prompts(
     return mixed + code
 
 
+def wide_topics(
+    runner: TargetRunner, tokenizer: Any, stop_ids: Sequence[int] = (), progress: bool = True
+) -> list[str]:
+    """Training topics beyond the built-in ones: `listed_topics`, then `vocabulary_topics`, each
+    once (case aside) and none built in already."""
+    seen = {t.lower() for t in _TOPICS}
+    topics = []
+    for topic in listed_topics(runner, tokenizer, stop_ids, progress) + vocabulary_topics(
+        tokenizer
+    ):
+        if topic.lower() not in seen:
+            seen.add(topic.lower())
+            topics.append(topic)
+    return topics
+
+
 # Kinds of things the target is asked to list (`listed_topics`): a broad spread, so that the
 # training topics reach far beyond the hand-written ones above.
 _TOPIC_CATEGORIES = (
@@ -673,7 +689,7 @@ def listed_topics(
         runner, [chat_prompt_ids(tokenizer, a) for a in asks], 160, stop_ids, progress=progress
     )
     held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
-    seen = {t.lower() for t in _TOPICS}
+    seen = set()
     topics = []
     for tokens in lists:
         for line in tokenizer.decode(tokens).splitlines():
@@ -707,7 +723,7 @@ def _topic_words(topic: str) -> set[str]:
     )
 
 
-# Endings of abstract and technical nouns ("photography", "surveillance", "conductivity").
+# Endings of abstract and technical nouns ("ventilation", "surveillance", "conductivity").
 _NOUN_ENDINGS = (
     "tion", "sion", "ism", "ology", "graphy", "ment", "ness", "ity", "ics", "ance", "ence",
     "ship", "hood", "ure", "cy", "sis",

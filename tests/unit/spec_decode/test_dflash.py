@@ -478,7 +478,7 @@ def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(m
         "Here are some boats:\n1. **Kayak** - a small boat\n2. Penguins\n3. Mount Everest (Nepal)",
         "- The Emperor Penguin\n* jazz music\n4. kayak\n5. Catamaran: two hulls\n*Yak*\n6. 42",
         "1. Tea ceremonies\n2. Bicycle\n3. Octopus\n4. a very long name that goes on and on here",
-        "1. Volcanoes\n2. Sourdough bread",  # volcanoes are a built-in topic already
+        "1. Volcanoes\n2. Sourdough bread\n3. volcanoes",
     ]
 
     class Listing(_ChatTokenizer):
@@ -494,7 +494,7 @@ def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(m
     monkeypatch.setattr(target_side, "generate", fake_generate)
     topics = target_side.listed_topics(None, Listing(), progress=False)
     assert len(asked) == len(target_side._TOPIC_CATEGORIES) * len(target_side._LIST_REQUESTS)
-    assert topics == ["Kayak", "Mount Everest", "Catamaran", "Yak", "Sourdough bread"]
+    assert topics == ["Kayak", "Mount Everest", "Catamaran", "Yak", "Volcanoes", "Sourdough bread"]
     # Those topics and library function heads widen the training prompts, never the held-out.
     signatures = target_side.library_signatures()
     names = {s.split("(")[0] for s in signatures}
@@ -504,7 +504,7 @@ def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(m
     assert not set(widened) & set(builtin_plain_prompts(True))
     assert "Explain Yak to a ten-year-old." in builtin_prompts(False, topics)
     # Nouns of the vocabulary: whole words with a noun's ending, no held-out one.
-    words = [" photography", " renaissance", " quickly", " Ocean", "ship", " relaxation", " tea"]
+    words = [" ventilation", " renaissance", " quickly", " Ocean", "ship", " relaxation", " tea"]
 
     class Vocabulary(_ChatTokenizer):
         vocab_size = len(words)
@@ -512,7 +512,9 @@ def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(m
         def decode(self, ids: list[int]) -> str:
             return words[ids[0]]
 
-    assert target_side.vocabulary_topics(Vocabulary()) == ["photography", "relaxation"]
+    assert target_side.vocabulary_topics(Vocabulary()) == ["relaxation", "ventilation"]
+    monkeypatch.setattr(target_side, "listed_topics", lambda *args: ["Volcanoes", "Relaxation"])
+    assert target_side.wide_topics(None, Vocabulary()) == ["Relaxation", "ventilation"]
     opts = TrainOptions(num_prompts=10_000, plain_fraction=0.5, mask_token_id=MASK)
     assert len({tuple(p) for p in training_prompt_ids(Listing(), opts, None, topics)}) > len(
         {tuple(p) for p in training_prompt_ids(Listing(), opts)}
