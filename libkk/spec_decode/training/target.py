@@ -731,16 +731,17 @@ _NOUN_ENDINGS = (
 
 
 def vocabulary_topics(tokenizer: Any) -> list[str]:
-    """Nouns of the target's own vocabulary: whole-word tokens of six or more lower-case letters
-    with a noun's ending, none sharing a word with a held-out topic (thousands of topics for a
-    typical vocabulary)."""
+    """Nouns of the target's own vocabulary: word-start tokens (byte-level BPE's "Ġ", or
+    SentencePiece's "▁") of six or more lower-case letters with a noun's ending, none sharing a
+    word with a held-out topic (thousands of topics for a typical vocabulary)."""
     held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
     topics = set()
     for i in range(tokenizer.vocab_size):
-        text = tokenizer.decode([i])
-        if re.fullmatch(r" [a-z]{6,}", text) and text.endswith(_NOUN_ENDINGS):
-            if not _topic_words(text) & held_out:
-                topics.add(text[1:])
+        token = tokenizer.id_to_token(i) or ""
+        word = token[1:]
+        if token[:1] in ("\u0120", "\u2581") and re.fullmatch(r"[a-z]{6,}", word):
+            if word.endswith(_NOUN_ENDINGS) and not _topic_words(word) & held_out:
+                topics.add(word)
     return sorted(topics)
 
 

@@ -504,13 +504,13 @@ def test_listed_topics_are_parsed_from_the_targets_lists_without_held_out_ones(m
     assert not set(widened) & set(builtin_plain_prompts(True))
     assert "Explain Yak to a ten-year-old." in builtin_prompts(False, topics)
     # Nouns of the vocabulary: whole words with a noun's ending, no held-out one.
-    words = [" ventilation", " renaissance", " quickly", " Ocean", "ship", " relaxation", " tea"]
+    words = ["Ġventilation", "▁renaissance", "Ġquickly", "ĠOcean", "ship", "▁relaxation", "Ġtea"]
 
     class Vocabulary(_ChatTokenizer):
-        vocab_size = len(words)
+        vocab_size = len(words) + 1
 
-        def decode(self, ids: list[int]) -> str:
-            return words[ids[0]]
+        def id_to_token(self, token_id: int) -> str | None:
+            return words[token_id] if token_id < len(words) else None
 
     assert target_side.vocabulary_topics(Vocabulary()) == ["relaxation", "ventilation"]
     monkeypatch.setattr(target_side, "listed_topics", lambda *args: ["Volcanoes", "Relaxation"])
