@@ -34,9 +34,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Decoder, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The tokenizer's vocabulary: a model whose embedding is padded past it can sample an id
+        # at or past it, which has no text (as Hugging Face's decode skips it).
+        self._vocab_size = vocab_size
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
@@ -98,6 +105,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: Sequence[int]) -> str:
+        vocab = self._vocab_size
+        if vocab is not None and any(i >= vocab for i in ids):
+            ids = [i for i in ids if i < vocab]
         return self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _decode_step(self, end: int) -> bool:

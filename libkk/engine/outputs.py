@@ -82,7 +82,7 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.params
+            self.tokenizer, request.prompt_token_ids, request.params, self.tokenizer.vocab_size
         )
         self._emitted[request.request_id] = ("", 0)
 

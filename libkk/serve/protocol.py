@@ -343,7 +343,9 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            # An id past the tokenizer's vocabulary (a model's padded embedding rows) has no text.
+            padded = token_id >= self._tokenizer.vocab_size
+            text = "" if padded else self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
 

@@ -231,3 +231,16 @@ def test_flush_emits_trailing_partial_character(tok: Tokenizer) -> None:
     rest = detok.flush()
     assert rest.endswith("\ufffd")
     assert streamed + rest == detok.output_text == tok.decode(partial)
+
+
+def test_ids_past_the_tokenizers_vocabulary_have_no_text(tok: Tokenizer) -> None:
+    """A model whose embedding is padded past the tokenizer can sample such an id: the stream's
+    text is that of the other ids."""
+    vocab = tok.get_vocab_size()
+    ids = tok.encode(TEXTS[3]).ids
+    padded = [t for i in ids for t in ((i, vocab + 7) if i % 3 == 0 else (i,))]
+    assert len(padded) > len(ids)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(), vocab_size=vocab)
+    deltas = [detok.update([t]) or detok.take_delta() for t in padded]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.output_text == TEXTS[3]
