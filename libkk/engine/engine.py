@@ -53,7 +53,7 @@ from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import LaunchedStep, RunnerOutput, SchedulerOutput
-from libkk.sample.grammar import GrammarCompiler
+from libkk.sample.grammar import GrammarCompiler, compute_next_masks
 from libkk.sample.params import SamplingParams
 
 logger = logging.getLogger("libkk")
@@ -340,13 +340,13 @@ class Engine:
     ) -> InFlightStep | None:
         """Samples a step launched before its grammar rows' previous tokens were in: their
         masks follow now. A failure runs the step again request by request (into `outputs`)."""
-        masks = {}
-        for scheduled in step.sched_out.requests:
-            if scheduled.sampling is not None and scheduled.sampling.grammar_pending:
-                request = step.sampled[scheduled.request_id]
-                masks[scheduled.request_id] = (
-                    None if request.finished else request.grammar.next_mask()
-                )
+        pending = [
+            step.sampled[s.request_id]
+            for s in step.sched_out.requests
+            if s.sampling is not None and s.sampling.grammar_pending
+        ]
+        compute_next_masks(r.grammar for r in pending if not r.finished)
+        masks = {r.request_id: None if r.finished else r.grammar.next_mask() for r in pending}
         try:
             self.runner.sample_pending(step.launched, masks)
         except TensorParallelError:

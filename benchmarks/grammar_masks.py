@@ -1,0 +1,104 @@
+"""Host time to fill one step's grammar masks: one llguidance call per constrained row, against
+one call for the whole batch on llguidance's threads (`compute_next_masks`, what the engine does).
+
+Rows are matchers of structured.py's LONG_ANSWER schema advanced into its free string (the state
+its constrained decode spends its steps in: nearly every token allowed, the costliest mask) or of
+a schema with numbers and enums advanced part way (structural states), each row a few tokens
+apart. Each repeat times fresh matchers; the figure is the median ms per step, with the spread.
+Host work only: it runs the same on a CPU-only machine.
+
+    python benchmarks/grammar_masks.py [--batch 1 8 32] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from structured import LONG_ANSWER
+
+from libkk.models.default import default_model_path
+from libkk.models.tokenizer import Tokenizer
+from libkk.sample import grammar
+from libkk.sample.grammar import GrammarCompiler, compute_next_masks
+from libkk.sample.params import StructuredOutput
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["id", "kind", "tags"],
+}
+TEXTS = {
+    "free string": '{"answer": "The lighthouse keeper climbed the stairs every evening at dusk',
+    "structural": '{"id": 12345, "kind": "beta", "tags": ["north", "south"]}',
+}
+
+
+def rows(grammars, tok, case: str, batch: int) -> list:
+    spec = StructuredOutput(json_schema=LONG_ANSWER if case == "free string" else RECORD)
+    ids = tok.encode(TEXTS[case], add_special_tokens=False)
+    out = []
+    for i in range(batch):
+        m = grammars.matcher(spec)
+        start = 5 if case == "free string" else 0  # past '{"answer": "'
+        for t in ids[: start + i % (len(ids) - start)]:
+            assert m.consume(t)
+        out.append(m)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="llguidance's pool for the batched column (default: the engine's choice, none "
+        "below 4 CPUs)",
+    )
+    args = ap.parse_args()
+    if args.threads is not None:
+        import llguidance
+
+        grammar._EXECUTOR = llguidance.LLExecutor(num_threads=args.threads)
+    folder = default_model_path(progress=False)
+    tok = Tokenizer.from_folder(folder)
+    grammars = GrammarCompiler(folder / "tokenizer.json", tok.vocab_size, tok.eos_token_ids)
+    pool = grammar._executor()
+    print(f"{os.cpu_count()} CPUs, vocabulary {tok.vocab_size}, batched: {pool or 'row by row'}")
+    print(
+        f"{'case':>12}{'batch':>6}{'one by one ms':>15}{'spread':>15}{'together ms':>13}{'spread':>15}"
+    )
+    for case in TEXTS:
+        for batch in args.batch:
+            alone, together = [], []
+            for _ in range(args.repeats):
+                ms = rows(grammars, tok, case, batch)
+                start = time.perf_counter()
+                for m in ms:
+                    m.next_mask()
+                alone.append((time.perf_counter() - start) * 1e3)
+                ms = rows(grammars, tok, case, batch)
+                start = time.perf_counter()
+                compute_next_masks(ms)
+                for m in ms:
+                    m.next_mask()  # known now, or (one row) computed here
+                together.append((time.perf_counter() - start) * 1e3)
+            print(
+                f"{case:>12}{batch:>6}{statistics.median(alone):>15.3f}"
+                f"{f'{min(alone):.3f}-{max(alone):.3f}':>15}{statistics.median(together):>13.3f}"
+                f"{f'{min(together):.3f}-{max(together):.3f}':>15}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
