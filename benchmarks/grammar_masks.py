@@ -7,15 +7,19 @@ a schema with numbers and enums advanced part way (structural states), each row 
 apart. Each repeat times fresh matchers; the figure is the median ms per step, with the spread.
 Host work only: it runs the same on a CPU-only machine.
 
-    python benchmarks/grammar_masks.py [--batch 1 8 32] [--repeats 20]
+    python benchmarks/grammar_masks.py [--batch 1 8 32] [--repeats 20] [--tokenizer FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from structured import LONG_ANSWER
 
@@ -64,12 +68,22 @@ def main() -> None:
         help="llguidance's pool for the batched column (default: the engine's choice, none "
         "below 4 CPUs)",
     )
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a byte-level tokenizer.json (default: the default model's)",
+    )
     args = ap.parse_args()
     if args.threads is not None:
         import llguidance
 
         grammar._EXECUTOR = llguidance.LLExecutor(num_threads=args.threads)
-    folder = default_model_path(progress=False)
+    if args.tokenizer is None:
+        folder = default_model_path(progress=False)
+    else:  # a folder of the tokenizer alone
+        folder = Path(tempfile.mkdtemp())
+        shutil.copy(args.tokenizer, folder / "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
     tok = Tokenizer.from_folder(folder)
     grammars = GrammarCompiler(folder / "tokenizer.json", tok.vocab_size, tok.eos_token_ids)
     pool = grammar._executor()
