@@ -147,7 +147,10 @@ def _executor() -> Any:
     global _EXECUTOR
     with _EXECUTOR_LOCK:
         if _EXECUTOR is None:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            if hasattr(os, "sched_getaffinity"):
+                cpus = len(os.sched_getaffinity(0))  # the CPUs this process may run on
+            else:
+                cpus = os.cpu_count() or 1
             _EXECUTOR = _llguidance().LLExecutor() if cpus >= _MIN_POOL_CPUS else False
         return _EXECUTOR or None
 
