@@ -561,10 +561,10 @@ def test_shipped_drafter_proposes_for_the_default_model(default_target) -> None:
     size = sum(p.stat().st_size for p in SHIPPED_DRAFTER.iterdir())
     assert size < 16 * 2**20
 
-    # Deterministic (greedy, fp32): measured 1.200 on the 4 chat prompts and 1.345 on the 4 plain
-    # ones (1.453 and 1.400 over 16 of each, 64 tokens: benchmarks/RESULTS.md 2026-12-07); a
+    # Deterministic (greedy, fp32): measured 1.300 on the 4 chat prompts and 1.529 on the 4 plain
+    # ones (1.611 and 1.597 over 16 of each, 64 tokens: benchmarks/RESULTS.md 2026-12-07); a
     # uniformly random draft would give 1 + 1/49152. The shipped CPU-trained drafter is still
-    # weak: `libkk train-drafter --device cuda ...` trains a better one.
+    # weak: `libkk train-drafter --device cuda --wide-prompts ...` trains a better one.
     stops = sorted(tokenizer.eos_token_ids)
     for kind, prompts in held_out_prompt_ids(tokenizer, 4).items():
         report = measure_acceptance(model, prop, prompts, 40, stops)
