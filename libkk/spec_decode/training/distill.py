@@ -72,9 +72,9 @@ class TrainOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Share of the prompts given as plain text (no chat template): built-in plain openings, or
     # the caller's prompts as they are. The rest are chat prompts.
     plain_fraction: float = 0.5
-    # Widen the built-in training prompts with topics the target lists itself, nouns of its
-    # vocabulary and function heads of the standard library (`listed_topics`,
-    # `vocabulary_topics`, `library_signatures`): far more varied prompts.
+    # Widen the built-in training prompts (not the caller's) with topics the target lists
+    # itself, nouns of its vocabulary (`wide_topics`) and function heads of the standard library
+    # (`library_signatures`): far more varied prompts.
     wide_prompts: bool = False
     steps: int = 1000
     seqs_per_step: int = 4
