@@ -688,13 +688,12 @@ def listed_topics(
     lists = generate(
         runner, [chat_prompt_ids(tokenizer, a) for a in asks], 160, stop_ids, progress=progress
     )
-    held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
     seen = set()
     topics = []
     for tokens in lists:
         for line in tokenizer.decode(tokens).splitlines():
             name = _listed_name(line)
-            if name and name.lower() not in seen and not _topic_words(name) & held_out:
+            if name and name.lower() not in seen and not _near_held_out(name):
                 seen.add(name.lower())
                 topics.append(name)
     return topics
@@ -723,6 +722,14 @@ def _topic_words(topic: str) -> set[str]:
     )
 
 
+_HELD_OUT_WORDS = frozenset(w for t in _HELD_OUT_TOPICS for w in _topic_words(t))
+
+
+def _near_held_out(topic: str) -> bool:
+    """Whether `topic` shares a word with a held-out topic (it would then leak into training)."""
+    return bool(_topic_words(topic) & _HELD_OUT_WORDS)
+
+
 # Endings of abstract and technical nouns ("ventilation", "surveillance", "conductivity").
 _NOUN_ENDINGS = (
     "tion", "sion", "ism", "ology", "graphy", "ment", "ness", "ity", "ics", "ance", "ence",
@@ -734,13 +741,12 @@ def vocabulary_topics(tokenizer: Any) -> list[str]:
     """Nouns of the target's own vocabulary: word-start tokens (byte-level BPE's "Ġ", or
     SentencePiece's "▁") of six or more lower-case letters with a noun's ending, none sharing a
     word with a held-out topic (thousands of topics for a typical vocabulary)."""
-    held_out = {w for t in _HELD_OUT_TOPICS for w in _topic_words(t)}
     topics = set()
     for i in range(tokenizer.vocab_size):
         token = tokenizer.id_to_token(i) or ""
         word = token[1:]
         if token[:1] in ("\u0120", "\u2581") and re.fullmatch(r"[a-z]{6,}", word):
-            if word.endswith(_NOUN_ENDINGS) and not _topic_words(word) & held_out:
+            if word.endswith(_NOUN_ENDINGS) and not _near_held_out(word):
                 topics.add(word)
     return sorted(topics)
 
@@ -763,6 +769,7 @@ def library_signatures() -> list[str]:
     import warnings
 
     held_out = {s.split("(")[0] for s in _HELD_OUT_CODE_SIGNATURES}
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
     heads = set()
     for name in _SIGNATURE_MODULES:
         try:
@@ -778,7 +785,6 @@ def library_signatures() -> list[str]:
                 params = inspect.signature(fn).parameters.values()
             except (TypeError, ValueError):
                 continue
-            stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
             args = ", ".join(stars.get(p.kind, "") + p.name for p in params)
             heads.add(f"{attr}({args})")
     return sorted(heads)
