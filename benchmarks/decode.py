@@ -52,6 +52,26 @@ SHAPES = {
         head_dim=128,
         vocab_size=151936,
     ),
+    # Llama 3.1 8B: Qwen3-8B's size without the q/k norms (the rotation alone before attention).
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
@@ -192,11 +212,12 @@ def write_checkpoint(shape: str, path: Path, device: str, experts: str = "bf16")
             p + "self_attn.k_proj.weight": rand(kv * d, h),
             p + "self_attn.v_proj.weight": rand(kv * d, h),
             p + "self_attn.o_proj.weight": rand(h, q * d),
-            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
-            p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
             p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         }
+        if cfg["model_type"] != "llama":  # per-head q/k norms
+            t[p + "self_attn.q_norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
+            t[p + "self_attn.k_norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
         if "num_experts" in cfg:
             inter, num_experts = cfg["moe_intermediate_size"], cfg["num_experts"]
             t[p + "mlp.gate.weight"] = rand(num_experts, h)

@@ -1,5 +1,5 @@
-"""rms_norm (+ residual add) and qk_norm_rope (Qwen3's per-head q/k RMSNorm, then RoPE): one
-launch each.
+"""rms_norm (+ residual add) and qk_norm_rope (Qwen3's per-head q/k RMSNorm, then RoPE; RoPE
+alone for families without the norms): one launch each.
 
 Inductor, compiling the forward with an unbacked token count, gives every norm a reduction
 kernel and a separate pointwise kernel (its fusion scores need size hints an unbacked size lacks),
@@ -194,7 +194,7 @@ def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
     v_ptr,  # STORE only
-    q_weight_ptr,
+    q_weight_ptr,  # NORM only
     k_weight_ptr,
     cos_sin_ptr,
     positions_ptr,
@@ -214,6 +214,7 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEADS: tl.constexpr,  # heads per program: a [HEADS, HALF_PAD] tile per half of a head row
+    NORM: tl.constexpr,  # each head RMS-normalized before the rotation (Qwen3); else rotation only
     STORE: tl.constexpr,  # k and v go to the cache (the blocks past the k heads copy v)
     PAGE: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -253,15 +254,16 @@ def _qk_norm_rope_kernel(
             dst = k_out_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM
         x1 = tl.load(src + d, mask=mask, other=0.0)
         x2 = tl.load(src + half + d, mask=mask, other=0.0)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        # each head's own sum of squares, along head_dim only
-        ss = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
-        rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(weight_ptr + d, mask=col_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + d, mask=col_mask, other=0.0).to(tl.float32)
-        # the norm's output, rounded as the separate norm op rounds it
-        y1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-        y2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        y1, y2 = x1.to(tl.float32), x2.to(tl.float32)
+        if NORM:
+            # each head's own sum of squares, along head_dim only
+            ss = tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)
+            rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+            w1 = tl.load(weight_ptr + d, mask=col_mask, other=0.0).to(tl.float32)
+            w2 = tl.load(weight_ptr + half + d, mask=col_mask, other=0.0).to(tl.float32)
+            # the norm's output, rounded as the separate norm op rounds it
+            y1 = (w1 * (y1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            y2 = (w2 * (y2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         pos = tl.load(positions_ptr + token).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d, mask=col_mask, other=0.0)
         sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d, mask=col_mask, other=0.0)
@@ -292,14 +294,15 @@ def _qk_norm_rope_kernel(
 def qk_norm_rope(
     q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-    q_weight: torch.Tensor,  # [head_dim]
-    k_weight: torch.Tensor,  # [head_dim]
+    q_weight: torch.Tensor | None,  # [head_dim]; None (with k_weight None): no norm
+    k_weight: torch.Tensor | None,  # [head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos | sin
     positions: torch.Tensor,  # [num_tokens] int64
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head of q and k RMS-normalized (over head_dim, by q_weight / k_weight), then rotated
-    by RoPE at its token's position (the halves of a head are the pairs, as in Llama/Qwen)."""
+    """Each head of q and k RMS-normalized (over head_dim, by q_weight / k_weight; Qwen3), then
+    rotated by RoPE at its token's position (the halves of a head are the pairs, as in
+    Llama/Qwen). Without weights, the rotation alone (every other family)."""
     check_device(q)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -323,7 +326,8 @@ def _launch_qk_norm_rope(
     v=None, kv_cache=None, slot_mapping=None, k_scale=None, v_scale=None,
 ) -> None:  # fmt: skip
     """Into q_out / k_out, or (kv_cache given) q_out and the cache."""
-    head_dim = q_weight.shape[0]
+    head_dim = cos_sin_cache.shape[1]
+    norm = _check_norm_weights(q_weight, k_weight, head_dim)
     num_tokens = q.shape[0]
     num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     if not num_tokens:
@@ -341,6 +345,8 @@ def _launch_qk_norm_rope(
         v, cache_args = k, (q_out, positions, q_out, q_out, 0, 0)
         page, programs = 1, q_blocks + kv_blocks
     cache, slots, k_sc, v_sc, stride_v, kv_stride = cache_args
+    if not norm:  # unread pointers
+        q_weight = k_weight = cos_sin_cache
     # One warp per head: each head row then has the layout (lanes, elements per lane) that a
     # one-warp program per head gave it, so its sum of squares reduces in the same order.
     _qk_norm_rope_kernel[(num_tokens, programs)](
@@ -348,18 +354,33 @@ def _launch_qk_norm_rope(
         q_out if k_out is None else k_out, cache, slots, k_sc, v_sc,
         q.stride(0), k.stride(0), stride_v, kv_stride, eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_PAD=next_pow2(head_dim // 2), HEADS=heads, STORE=store, PAGE=page,
+        HALF_PAD=next_pow2(head_dim // 2), HEADS=heads, NORM=norm, STORE=store, PAGE=page,
         IS_FP8=store and kv_cache.dtype == FP8_DTYPE,
         num_warps=heads, **pdl_args(q.device),
     )  # fmt: skip
+
+
+def _check_norm_weights(
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, head_dim: int
+) -> bool:
+    """Whether q and k are normalized: both weights given ([head_dim] each), or neither."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight are given together or not at all")
+    for weight in (q_weight, k_weight):
+        if weight is not None and weight.shape != (head_dim,):
+            raise ValueError(
+                f"a norm weight of shape {tuple(weight.shape)} for head_dim {head_dim} (the "
+                "rope table's width)"
+            )
+    return q_weight is not None
 
 
 @qk_norm_rope.register_fake
 def _(
     q: torch.Tensor,
     k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     eps: float,
@@ -370,18 +391,22 @@ def _(
 def qk_norm_rope_ref(
     q: torch.Tensor,
     k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    head_dim = q_weight.shape[0]
+    """The ops of the norm modules and of RotaryEmbedding (same rounding, same order)."""
+    head_dim = cos_sin_cache.shape[1]
+    norm = _check_norm_weights(q_weight, k_weight, head_dim)
     cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, head_dim]
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim // 2]
 
-    def one(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x = rms_norm_ref(x.reshape(x.shape[0], x.shape[1] // head_dim, head_dim), weight, eps)
+    def one(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        x = x.reshape(x.shape[0], x.shape[1] // head_dim, head_dim)
+        if norm:
+            x = rms_norm_ref(x, weight, eps)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(1)
 
@@ -393,8 +418,8 @@ def qk_norm_rope_store_kv(
     q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-    q_weight: torch.Tensor,  # [head_dim]
-    k_weight: torch.Tensor,  # [head_dim]
+    q_weight: torch.Tensor | None,  # [head_dim]; None (with k_weight None): no norm
+    k_weight: torch.Tensor | None,  # [head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos | sin
     positions: torch.Tensor,  # [num_tokens] int64
     eps: float,
@@ -404,13 +429,15 @@ def qk_norm_rope_store_kv(
     v_scale: torch.Tensor,  # [1] fp32
     q_out: torch.Tensor,  # [num_tokens, num_heads * head_dim] contiguous: q normalized, rotated
 ) -> None:
-    """qk_norm_rope, then store_kv of the rotated k and of v, in one launch: k never leaves the
-    kernel. Same values, rounding and skipped padded rows as the two ops.
+    """qk_norm_rope (with or without the norms), then store_kv of the rotated k and of v, in one
+    launch: k never leaves the kernel. Same values, rounding and skipped padded rows as the two
+    ops.
 
     q comes back through q_out: like every op here that writes into an argument, it returns
     nothing."""
     check_device(q)
-    shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
+    head_dim = cos_sin_cache.shape[1]
+    shape = (k.shape[0], k.shape[1] // head_dim, head_dim)
     check_store_args(k.view(shape), v.view(shape), kv_cache, slot_mapping)
     if q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
         raise ValueError(f"q_out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
@@ -430,8 +457,8 @@ def qk_norm_rope_store_kv_ref(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     eps: float,
@@ -442,6 +469,7 @@ def qk_norm_rope_store_kv_ref(
     q_out: torch.Tensor,
 ) -> None:
     q, k = qk_norm_rope_ref(q, k, q_weight, k_weight, cos_sin_cache, positions, eps)
-    shape = (k.shape[0], k.shape[1] // q_weight.shape[0], q_weight.shape[0])
+    head_dim = cos_sin_cache.shape[1]
+    shape = (k.shape[0], k.shape[1] // head_dim, head_dim)
     store_kv_ref(k.view(shape), v.view(shape), kv_cache, slot_mapping, k_scale, v_scale)
     q_out.copy_(q)

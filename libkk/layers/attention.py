@@ -90,20 +90,23 @@ class AttentionBackend(abc.ABC):
 
 
 class QKNormRope(NamedTuple):
-    """A model's step between its q/k projection and attention that the attention layer runs
-    (Qwen3): each head of q and k RMS-normalized over head_dim, then rotated by RoPE. Inside the
-    layer a backend can write the rotated keys straight into the KV cache."""
+    """A model's step between its q/k projection and attention that the attention layer runs:
+    each head of q and k RMS-normalized over head_dim (Qwen3; None: no norms), then rotated by
+    RoPE over the whole head. Inside the layer a backend can write the rotated keys straight
+    into the KV cache."""
 
-    q_norm: nn.Module  # RMSNorm(head_dim)
-    k_norm: nn.Module  # RMSNorm(head_dim)
-    rotary: nn.Module  # RotaryEmbedding: cos_sin_cache
+    q_norm: nn.Module | None  # RMSNorm(head_dim)
+    k_norm: nn.Module | None  # RMSNorm(head_dim)
+    rotary: nn.Module  # RotaryEmbedding: cos_sin_cache [max_position, head_dim]
 
     @property
     def head_dim(self) -> int:
-        return self.q_norm.weight.shape[0]
+        return self.rotary.cos_sin_cache.shape[1]
 
     def args(self, positions: torch.Tensor) -> tuple:
         """The norm/rope ops' arguments after q and k."""
+        if self.q_norm is None:
+            return None, None, self.rotary.cos_sin_cache, positions, 0.0
         return (
             self.q_norm.weight, self.k_norm.weight, self.rotary.cos_sin_cache, positions,
             self.q_norm.eps,
@@ -113,9 +116,9 @@ class QKNormRope(NamedTuple):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) normalized and rotated: one kernel on CUDA, the torch reference elsewhere."""
-        kernel = takes_kernels(q, k, self.q_norm.weight, self.k_norm.weight)
-        norm_rope = qk_norm_rope if kernel else qk_norm_rope_ref
-        return norm_rope(q, k, *self.args(positions))
+        args = self.args(positions)
+        norm_rope = qk_norm_rope if takes_kernels(q, k, *args[:2]) else qk_norm_rope_ref
+        return norm_rope(q, k, *args)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -329,8 +332,8 @@ class Attention(IndexedLayer):
 
     `kv_cache` is bound by the model runner after the cache is allocated. `k_scale` / `v_scale`
     are the layer's FP8 cache scales: their storage never changes (CUDA graphs read them by
-    address), so every update fills them in place. A model whose q and k are normalized and
-    rotated right before attention (Qwen3) sets `qk_norm_rope` and passes the step's positions:
+    address), so every update fills them in place. A model whose q and k are rotated (Qwen3:
+    normalized first) right before attention sets `qk_norm_rope` and passes the step's positions:
     the layer applies them, so the backend can fuse them with the KV store. `sliding_window` W
     (None: full attention) lets a query at position p see keys at positions p - W < n <= p.
     With `sinks`, the layer holds `sinks` [num_heads] fp32, this rank's heads' sink logits

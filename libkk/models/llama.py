@@ -21,7 +21,7 @@ from torch import nn
 from libkk.distributed import all_gather_last_dim, get_tp_size
 from libkk.kernels.gemv import gate_up_silu
 from libkk.layers.activation import SiluAndMul
-from libkk.layers.attention import Attention
+from libkk.layers.attention import Attention, QKNormRope
 from libkk.layers.embedding import LMHead, VocabEmbedding
 from libkk.layers.linear import (
     WHOLE,
@@ -78,6 +78,10 @@ class LlamaAttention(nn.Module):
             sliding_window=config.window_of(layer_idx),
             sinks=config.attention_sinks,
         )
+        # A rotation of whole heads runs inside attention (with the KV store, one kernel on
+        # CUDA); a partial one (Phi-4-mini) runs here.
+        if rotary_emb.rotary_dim == config.head_dim:
+            self.attn.qk_norm_rope = QKNormRope(None, None, rotary_emb)
 
     def forward(
         self,
@@ -85,8 +89,11 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [T, H * D]
+        if self.attn.qk_norm_rope is None:
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v)  # [T, H * D]
+        else:
+            out = self.attn(q, k, v, positions)  # (q/k norms,) RoPE, then attention
         return self.o_proj(out)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from libkk.layers.attention import QKNormRope
@@ -20,15 +19,6 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         # The norms and the rotation run inside attention (fused with the KV store on CUDA).
         self.attn.qk_norm_rope = QKNormRope(self.q_norm, self.k_norm, rotary_emb)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        q, k, v = self.qkv_proj(hidden)  # [T, H * D], [T, KV * D], [T, KV * D]
-        out = self.attn(q, k, v, positions)  # q_norm / k_norm, then RoPE, then attention
-        return self.o_proj(out)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -31,10 +31,12 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """Within a rounding step of values of size `scale` (what an input of that size may round
+    by inside a reference that rounds every product)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +97,8 @@ def test_rms_norm_keeps_leading_dims_and_promotes_to_the_weight_dtype():
 # (q heads, kv heads, head_dim): small layouts, an odd one, and Qwen3-8B's
 @pytest.mark.parametrize("heads", [(4, 2, 16), (6, 3, 24), (32, 8, 128)])
 @pytest.mark.parametrize("num_tokens", [0, 1, 9])
-def test_qk_norm_rope_equals_the_reference(dtype, heads, num_tokens):
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+def test_qk_norm_rope_equals_the_reference(dtype, heads, num_tokens, norm):
     num_heads, num_kv_heads, head_dim = heads
     g = torch.Generator().manual_seed(num_heads * 100 + num_tokens)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
@@ -107,11 +110,15 @@ def test_qk_norm_rope_equals_the_reference(dtype, heads, num_tokens):
     with torch.device(DEVICE):
         rope = RotaryEmbedding(head_dim, 512, RopeConfig(theta=10000.0))
     positions = torch.randint(0, 512, (num_tokens,), generator=g).to(DEVICE)
-    args = (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+    weights = (q_weight, k_weight) if norm else (None, None)
+    args = (*weights, rope.cos_sin_cache, positions, 1e-6)
     got_q, got_k = qk_norm_rope(q, k, *args)
     want_q, want_k = qk_norm_rope_ref(q, k, *args)
-    _close(got_q, want_q, dtype)
-    _close(got_k, want_k, dtype)
+    # Without the norm the rotation's products are as large as the inputs; the reference rounds
+    # each of them, the kernel only the result.
+    scale = 1.0 if norm or not num_tokens else 2 * float(qkv.abs().max())
+    _close(got_q, want_q, dtype, scale)
+    _close(got_k, want_k, dtype, scale)
 
 
 def test_qk_norm_rope_reference_is_the_model_path():
@@ -139,9 +146,41 @@ def test_qk_norm_rope_reference_is_the_model_path():
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
-def _qk_case(g: torch.Generator, num_tokens: int, heads: tuple[int, int, int], dtype: torch.dtype):
+def test_qk_norm_rope_reference_without_norms_is_the_rotary_module():
+    """Without weights the reference is RotaryEmbedding's rotation, bit for bit (the path of
+    every family without q/k norms), YaRN's scaled table included."""
+    g = torch.Generator().manual_seed(6)
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 32
+    q = torch.randn(num_tokens, num_heads * head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(num_tokens, num_kv_heads * head_dim, generator=g).to(torch.bfloat16)
+    yarn = RopeConfig(
+        rope_type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=4096
+    )
+    rope = RotaryEmbedding(head_dim, 64, yarn)
+    positions = torch.tensor([0, 3, 9, 63, 17])
+    want_q, want_k = rope(positions, q, k)
+    got_q, got_k = qk_norm_rope_ref(q, k, None, None, rope.cos_sin_cache, positions, 0.0)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_qk_norm_rope_takes_both_norm_weights_or_neither():
+    q, k = torch.zeros(1, 64), torch.zeros(1, 32)
+    table, positions = torch.zeros(8, 32), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="together"):
+        qk_norm_rope_ref(q, k, torch.ones(32), None, table, positions, 1e-6)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        qk_norm_rope_ref(q, k, torch.ones(16), torch.ones(16), table, positions, 1e-6)
+
+
+def _qk_case(
+    g: torch.Generator,
+    num_tokens: int,
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    norm: bool = True,
+):
     """q, k, v (column slices of one fused projection's output) and the remaining arguments of
-    qk_norm_rope: weights, the rope table, positions, eps."""
+    qk_norm_rope: weights (None without `norm`), the rope table, positions, eps."""
     num_heads, num_kv_heads, head_dim = heads
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
     qkv = (qkv * 3).to(dtype).to(DEVICE)
@@ -151,7 +190,8 @@ def _qk_case(g: torch.Generator, num_tokens: int, heads: tuple[int, int, int], d
     with torch.device(DEVICE):
         rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
     positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
-    return q, k, v, (q_weight, k_weight, rope.cos_sin_cache, positions, 1e-6)
+    weights = (q_weight, k_weight) if norm else (None, None)
+    return q, k, v, (*weights, rope.cos_sin_cache, positions, 1e-6)
 
 
 @pytest.mark.parametrize(
@@ -160,13 +200,14 @@ def _qk_case(g: torch.Generator, num_tokens: int, heads: tuple[int, int, int], d
 )
 @pytest.mark.parametrize("heads", [(4, 2, 16), (6, 3, 24), (32, 8, 128)])
 @pytest.mark.parametrize("num_tokens", [0, 7])
-def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num_tokens):
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
+def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num_tokens, norm):
     """The fused op writes qk_norm_rope's q into q_out and leaves the cache exactly as store_kv of
     qk_norm_rope's k (and v) does; padded rows (the null block, -1) write nothing."""
     num_heads, num_kv_heads, head_dim = heads
     page, num_blocks = 4, 6
     g = torch.Generator().manual_seed(num_heads + num_tokens)
-    q, k, v, args = _qk_case(g, num_tokens, heads, dtype)
+    q, k, v, args = _qk_case(g, num_tokens, heads, dtype, norm)
     real = torch.randperm((num_blocks - 1) * page, generator=g)[: max(num_tokens - 2, 0)] + page
     slots = torch.cat([real, torch.tensor([2, -1])])[:num_tokens].to(DEVICE)
     shape = (2, num_blocks, page, num_kv_heads, head_dim)
@@ -188,11 +229,12 @@ def test_qk_norm_rope_store_kv_equals_the_two_ops(dtype, cache_dtype, heads, num
     ref = poisoned.clone()
     ref_q = torch.empty_like(want_q)
     qk_norm_rope_store_kv_ref(q, k, v, *args, ref, slots, k_scale, v_scale, ref_q)
-    _close(got_q, ref_q, dtype)
+    scale = 1.0 if norm or not num_tokens else 2 * float(torch.cat([q, k], 1).abs().max())
+    _close(got_q, ref_q, dtype, scale)
     if cache_dtype != FP8_DTYPE:  # FP8's one-code steps are far coarser than the dtype's
         written = ~ref.isnan()
         assert torch.equal(written, ~got.isnan())
-        _close(got[written], ref[written], dtype)
+        _close(got[written], ref[written], dtype, scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -97,7 +97,7 @@ def test_calibrated_fp8_cache_tracks_the_fp32_cache(loud_llama_dir):
 
 def test_calibration_matches_amax_of_the_first_prefill(loud_llama_dir):
     """Each layer's scales are amax(|k|) / 448 and amax(|v|) / 448 over the prompt's K/V (as the
-    layer receives them: hooks), and decode steps leave them alone."""
+    layer stores them: its inputs, k rotated), and decode steps leave them alone."""
     model, _ = load_model(loud_llama_dir, torch.float32, CPU, progress=False)
     calibrate_kv_scales_on_first_prefill(model)
     kv = PagedKV(model, num_blocks=16, block_size=4, dtype=FP8)
@@ -111,7 +111,8 @@ def test_calibration_matches_amax_of_the_first_prefill(loud_llama_dir):
     for hook in hooks:
         hook.remove()
     first = [layer.kv_scales for layer in layers]
-    for (k_scale, v_scale), (_, k, v) in zip(first, inputs, strict=True):
+    for layer, (k_scale, v_scale), (q, k, v, positions) in zip(layers, first, inputs, strict=True):
+        _, k = layer.qk_norm_rope.apply(q, k, positions)  # the rotation runs inside the layer
         assert k.shape[0] == len(PROMPT)
         assert k_scale == pytest.approx(k.abs().max().item() / FP8_MAX, rel=1e-6)
         assert v_scale == pytest.approx(v.abs().max().item() / FP8_MAX, rel=1e-6)
