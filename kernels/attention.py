@@ -61,6 +61,9 @@ DECODE_STAGES = 3
 DECODE_MAX_ROWS = 64  # uniform batches with more rows per KV head take the varlen path
 MAX_SPLITS = 64
 SPLITS_PER_SM = 2  # decode programs per SM the split count aims for
+# A windowed layer's decode splits keep at least this many key tiles each: a window of 128 keys
+# is then one program per KV head, with no merge kernel after it.
+MIN_WINDOW_SPLIT_TILES = 4
 
 
 @jit
@@ -423,13 +426,19 @@ def _check(
         )
 
 
-def default_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Context splits for a decode batch: about SPLITS_PER_SM programs per SM.
+def default_num_splits(
+    num_reqs: int, num_kv_heads: int, device: torch.device, max_keys: int | None = None
+) -> int:
+    """Context splits for a decode batch: about SPLITS_PER_SM programs per SM, and where a
+    request sees at most `max_keys` keys (a sliding window), MIN_WINDOW_SPLIT_TILES key tiles a
+    split or more.
 
     Shapes only (no sequence lengths), so CUDA graphs may capture the choice.
     """
     programs = num_reqs * num_kv_heads
     want = -(-SPLITS_PER_SM * device_parallelism(device) // max(programs, 1))
+    if max_keys is not None:
+        want = min(want, -(-max_keys // (MIN_WINDOW_SPLIT_TILES * DECODE_BLOCK_N)))
     return max(1, min(MAX_SPLITS, want))
 
 
@@ -456,6 +465,8 @@ def _paged_attention_op(
         return
     _, _, page, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    # The most keys a row of a uniform batch sees: a window's, plus the request's other rows.
+    max_keys = window + max_query_len - 1 if window > 0 else None
     window = window if window > 0 else _NO_WINDOW
     dim_pad = max(16, next_pow2(head_dim))
     common = dict(
@@ -476,7 +487,7 @@ def _paged_attention_op(
     # Uniform when the rows add up to num_reqs * max_query_len (each request has at most that
     # many). The decode kernel still reads every request's own query_len.
     if num_tokens == num_reqs * max_query_len and rows <= DECODE_MAX_ROWS:
-        splits = num_splits or default_num_splits(num_reqs, num_kv_heads, q.device)
+        splits = num_splits or default_num_splits(num_reqs, num_kv_heads, q.device, max_keys)
         parts: list[torch.Tensor] = [out] * 3  # unused when nothing is split
         if splits > 1:
             parts = [

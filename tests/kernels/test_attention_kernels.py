@@ -354,6 +354,18 @@ def test_sliding_window_decode_splits(small_tiles, batch, num_splits):
     torch.testing.assert_close(got[:n], want[:n], atol=2e-5, rtol=2e-5)
 
 
+def test_windowed_decode_splits_keep_whole_tile_runs():
+    """A windowed layer's decode splits get MIN_WINDOW_SPLIT_TILES key tiles each or more (a
+    128-key window: one split, so no merge kernel); full attention keeps the SM-based count."""
+    device, tile = torch.device("cuda" if ON_CUDA else "cpu"), pa.DECODE_BLOCK_N
+    full = pa.default_num_splits(1, 8, device)
+    assert full > 1
+    assert pa.default_num_splits(1, 8, device, max_keys=128) == 1
+    run = pa.MIN_WINDOW_SPLIT_TILES * tile
+    assert pa.default_num_splits(1, 8, device, max_keys=2 * run + 1) == min(3, full)
+    assert pa.default_num_splits(1, 8, device, max_keys=1 << 20) == full
+
+
 @pytest.mark.parametrize("dtype", [torch.float16], ids=str)
 def test_sliding_window_fp16_varlen(dtype):
     b = _batch("mixed", "gqa3-d24", dtype, seed=15)
