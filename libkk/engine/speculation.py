@@ -162,15 +162,18 @@ class DraftBackoff:
     estimated as (accepted + 1) / (accepted + rejected + 2), which one unlucky verification does
     not push far, and K drafts are worth (1 - a^(K+1)) / (1 - a) tokens a verification. While
     that is below `break_even` (a step that drafts and verifies K tokens over a plain step, in
-    time, measured at start-up), the request drafts nothing for a pause that doubles each time
-    (FIRST_PAUSE up to MAX_PAUSE steps: looking costs ~1% of a long output), then drafts once to
-    look again. Decisions read the request's own tokens and the session's break-even only, so a
-    request drafts the same alone or in any batch, and greedy output is the plain output
-    whatever is decided.
+    time, measured at start-up), the request drafts nothing for a pause, then drafts once to look
+    again. A look emits the expected length where plain steps would have emitted `break_even`
+    tokens in its time: the pause is long enough for looks to lose PROBE_LOSS of the request's
+    tokens at that rate, and at least doubles each time (FIRST_PAUSE up to MAX_PAUSE steps).
+    Decisions read the request's own tokens and the session's break-even only, so a request
+    drafts the same alone or in any batch, and greedy output is the plain output whatever is
+    decided.
     """
 
     DECAY = 0.9
     FIRST_PAUSE, MAX_PAUSE = 8, 128
+    PROBE_LOSS = 0.01
 
     def __init__(self, break_even: float, num_drafts: int) -> None:
         self.break_even = break_even
@@ -192,9 +195,11 @@ class DraftBackoff:
         accepted = num_emitted - 1
         state.accepted = self.DECAY * state.accepted + accepted
         state.rejected = self.DECAY * state.rejected + (accepted < num_verified)
-        if self.expected_length(state) < self.break_even:
-            state.wait = min(2 * state.wait, self.MAX_PAUSE) if state.wait else self.FIRST_PAUSE
-            state.skip = state.wait
+        loss = self.break_even - self.expected_length(state)  # tokens a look loses
+        if loss > 0:
+            # A pause of P plain steps and a look of break_even steps' time lose `loss` tokens.
+            pause = max(loss / self.PROBE_LOSS - self.break_even, 2 * state.wait, self.FIRST_PAUSE)
+            state.wait = state.skip = int(min(pause, self.MAX_PAUSE))
         else:
             state.wait = 0
 

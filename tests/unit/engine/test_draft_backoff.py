@@ -1,6 +1,7 @@
-"""DraftBackoff: a request whose drafts do not pay stops drafting for pauses that double, looks
-again after each, and drafts on once its estimated acceptance is back above the break-even; one
-unlucky verification among good ones does not pause it."""
+"""DraftBackoff: a request whose drafts do not pay stops drafting for pauses that keep its looks
+at 1% of its tokens and at least double, looks again after each, and drafts on once its
+estimated acceptance is back above the break-even; one unlucky verification among good ones does
+not pause it."""
 
 from __future__ import annotations
 
@@ -24,10 +25,19 @@ def _drafted_steps(backoff: DraftBackoff, emitted: list[int], steps: int) -> lis
     return drafted
 
 
-def test_poor_drafts_pause_for_doubling_stretches():
+def test_poor_drafts_pause_for_stretches_that_keep_looks_at_one_percent():
     backoff = DraftBackoff(break_even=2.0, num_drafts=K)
-    # 1 token a verification (every first draft rejected): pauses of 8, 16, 32, 64, 128, 128, ...
-    assert _drafted_steps(backoff, [1], 400) == [0, 9, 26, 59, 124, 253, 382]
+    # 1 token a verification (every first draft rejected). After the first, the estimated rate
+    # is 1/3: a look emits 1.49 tokens where plain steps emit 2 in its time, so a pause of
+    # 0.51 / 1% - 2 = 48 steps; then at least double, up to 128.
+    assert _drafted_steps(backoff, [1], 420) == [0, 49, 146, 275, 404]
+
+
+def test_drafts_just_below_the_break_even_pause_for_doubling_stretches():
+    # 2 tokens a verification at a break-even of 2: a look loses little, so the pauses are the
+    # doubling ones from 8 (8, 16, 32, 64, 128, 128, ...).
+    backoff = DraftBackoff(break_even=2.0, num_drafts=K)
+    assert _drafted_steps(backoff, [2], 400) == [0, 9, 26, 59, 124, 253, 382]
 
 
 def test_good_drafts_never_pause():
@@ -41,18 +51,18 @@ def test_an_unlucky_first_verification_does_not_pause_a_request_whose_drafts_pay
     backoff = DraftBackoff(break_even=1.1, num_drafts=K)
     assert _drafted_steps(backoff, [1, 4, 5, 1, 1, 3], 60) == list(range(60))
     # Where it costs twice a plain step, the same verification pauses it.
-    assert _drafted_steps(DraftBackoff(2.0, K), [1, 4], 12) == [0, 9, 10, 11]
+    assert _drafted_steps(DraftBackoff(2.0, K), [1, 4], 60) == [0, *range(49, 60)]
 
 
 def test_a_request_that_recovers_drafts_on_and_its_pause_restarts():
     backoff = DraftBackoff(break_even=2.0, num_drafts=K)
-    backoff.observe("r", 1, K)  # rate 1/3: 1.49 tokens a verification, a pause of 8
-    assert [backoff.wants_drafts("r") for _ in range(9)] == [False] * 8 + [True]
+    backoff.observe("r", 1, K)  # rate 1/3: 1.49 tokens a verification, a pause of 48
+    assert [backoff.wants_drafts("r") for _ in range(49)] == [False] * 48 + [True]
     backoff.observe("r", 5, K)  # every draft accepted: pays again
     assert all(backoff.wants_drafts("r") for _ in range(20))
     for _ in range(3):
-        backoff.observe("r", 1, K)  # below again: the pause starts over at 8, not 16
-    assert [backoff.wants_drafts("r") for _ in range(9)] == [False] * 8 + [True]
+        backoff.observe("r", 1, K)  # below again (1.85 tokens): the pause starts over at 12
+    assert [backoff.wants_drafts("r") for _ in range(13)] == [False] * 12 + [True]
     backoff.forget("r")
     assert backoff.wants_drafts("r")
 
