@@ -399,7 +399,8 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
     settings = dict(
         method="draft_model", draft_model=str(small_draft_dir), num_speculative_tokens=4
     )
-    plain_outs, plain = _run(tiny_llama_dir, PROMPTS, params, **settings)
+    # Plain speculation: every step drafts (the backoff off).
+    plain_outs, plain = _run(tiny_llama_dir, PROMPTS, params, draft_backoff=False, **settings)
     with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
                  adaptive_verification=True, **settings) as s:  # fmt: skip
         adaptive = s.engine.speculation.adaptive
