@@ -89,10 +89,13 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     prefill_compute_share: float | Literal["auto"] | None = None
     # Launch step k before step k-1's sampled tokens reach the host, then finish step k-1
     # (append tokens, stop checks, detokenize) while the device runs step k. Same tokens as
-    # synchronous mode; a request's outputs may come back one step() call later. "auto": on
-    # for a CUDA device unless something needs each step's tokens on the host before the next
-    # can launch (speculative decoding, shared_host_tables); off on the CPU, whose forward runs
-    # on the calling thread with nothing to overlap.
+    # synchronous mode; a request's outputs may come back one step() call later. A step whose
+    # tokens the next needs first (a verification; a request that drafts next, reads token
+    # values or awaits a grammar mask) is finished before the next launches. "auto": on for a
+    # CUDA device unless something needs every step's tokens on the host before the next can
+    # launch (shared_host_tables; speculation without the draft backoff, or under tensor
+    # parallelism); off on the CPU, whose forward runs on the calling thread with nothing to
+    # overlap.
     async_scheduling: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
@@ -274,13 +277,16 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
         """This config with its "auto" settings decided for the device type it runs on."""
         if self.scheduler.async_scheduling != "auto":
             return self
-        on = (
-            device_type == "cuda"
-            and self.speculative.method is None
-            and not self.model.shared_host_tables
-        )
+        on = device_type == "cuda" and self._can_schedule_async()
         scheduler = msgspec.structs.replace(self.scheduler, async_scheduling=on)
         return msgspec.structs.replace(self, scheduler=scheduler)
+
+    def _can_schedule_async(self) -> bool:
+        """Speculation runs ahead only of requests the draft backoff pauses: one process only
+        (the backoff is off under tensor parallelism, where every step would wait)."""
+        speculates = self.speculative.method is not None
+        backs_off = self.speculative.draft_backoff and self.parallel.tensor_parallel_size == 1
+        return not self.model.shared_host_tables and (not speculates or backs_off)
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:
@@ -347,10 +353,11 @@ class EngineConfig(msgspec.Struct, **_STRUCT):
 
 def _check_async_scheduling(config: EngineConfig) -> None:
     """Settings that read sampled token values on the host before the next step can launch."""
-    if config.speculative.method is not None:
+    if config.speculative.method is not None and config.parallel.tensor_parallel_size > 1:
         raise ValueError(
-            f"async_scheduling does not support speculative decoding yet (method="
-            f"{config.speculative.method!r}): proposers need the sampled tokens on the host"
+            f"async_scheduling does not support speculative decoding under tensor parallelism "
+            f"(method={config.speculative.method!r}): the ranks' proposers need the sampled "
+            "tokens before every step"
         )
     if config.model.shared_host_tables:
         raise ValueError(

@@ -5,7 +5,9 @@ enqueued, counts advanced), and finished when its tokens reach the host (appende
 handed out). Synchronous scheduling finishes a step in the call that launched it; asynchronous
 scheduling finishes it in the next call, after launching the next step, so the host's work hides
 behind the device's. Whatever the host does while the device runs (the previous step's tokens,
-deferred outputs, adaptive verification's learning) happens between a launch and its wait.
+deferred outputs, adaptive verification's learning) happens between a launch and its wait. A
+step whose tokens the next one needs (it verified drafts; a request of it reads token values or
+drafts next) is finished before the next is scheduled.
 
 Not thread-safe by itself: the Session serializes calls into it.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -68,13 +70,25 @@ class InFlightStep:
     sampled: dict[str, Request]  # the requests that sample in it, as launched
     start: float  # perf_counter at launch
 
-    def reads_token_values(self, live: dict[str, Request], grammars_wait: bool) -> bool:
-        """Whether a live request of it samples next from token values (penalties, min_tokens;
-        a grammar where the runner cannot take masks after launch): its token must be known
-        before the next step is scheduled."""
+    def next_step_waits(
+        self,
+        live: dict[str, Request],
+        grammars_wait: bool,
+        drafts_next: Callable[[Request], bool],
+    ) -> bool:
+        """Whether its tokens must be known before the next step is scheduled: it verified
+        drafts (how many were accepted places the next tokens), or a live request of it samples
+        next from token values (penalties, min_tokens; a grammar where the runner cannot take
+        masks after launch) or drafts for its next step (the proposer reads its tokens)."""
+        if any(r.num_spec_tokens for r in self.sched_out.requests):
+            return True
         return any(
             live.get(rid) is r
-            and (r.reads_token_values() or (grammars_wait and r.grammar is not None))
+            and (
+                r.reads_token_values()
+                or (grammars_wait and r.grammar is not None)
+                or drafts_next(r)
+            )
             for rid, r in self.sampled.items()
         )
 
@@ -292,10 +306,10 @@ class Engine:
         self._log_stalls()
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
-        # A request whose next sampling reads token values waits for its in-flight token.
+        # A request whose next step reads token values or drafts waits for its in-flight token.
         grammars_wait = not self.runner.defers_grammar_masks
-        if previous is not None and previous.reads_token_values(
-            self.scheduler.requests, grammars_wait
+        if previous is not None and previous.next_step_waits(
+            self.scheduler.requests, grammars_wait, self.speculation.drafts_next
         ):
             outputs += self._finish(previous, step_start)
             previous = None

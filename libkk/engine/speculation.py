@@ -180,6 +180,11 @@ class DraftBackoff:
         self.num_drafts = num_drafts
         self._requests: dict[str, _Backoff] = {}
 
+    def drafts_next(self, request_id: str) -> bool:
+        """Whether the next `wants_drafts` of the request says yes (it is not paused)."""
+        state = self._requests.get(request_id)
+        return state is None or state.skip == 0
+
     def wants_drafts(self, request_id: str) -> bool:
         """Whether the request drafts for its next step (a paused one counts the step)."""
         state = self._requests.get(request_id)
@@ -304,6 +309,12 @@ class Speculation:
         if self.adaptive is not None:
             self.adaptive.trim([request for request, _ in asks])
 
+    def drafts_next(self, request: Request) -> bool:
+        """Whether the request may draft once its in-flight step is done: the engine then
+        finishes that step before scheduling the next (asynchronous scheduling runs ahead of
+        paused requests only)."""
+        return self.backoff is None or self.backoff.drafts_next(request.request_id)
+
     def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
         """A step's wall time, schedule to proposal (adaptive verification's overhead)."""
         if self.adaptive is not None:
@@ -354,6 +365,9 @@ class NoSpeculation(Speculation):
 
     def after_step(self, sched_out, runner_out, updated, live) -> None:  # noqa: ANN001
         pass
+
+    def drafts_next(self, request: Request) -> bool:
+        return False
 
     def record_step(self, sched_out: SchedulerOutput, seconds: float) -> None:
         pass

@@ -160,6 +160,8 @@ class ModelRunner:
             self._kv_scales_pending = kv_scale_calibration_pending(self.attention_layers)
         with _row_types(sched_out):
             hidden, aux = self.step_backends.run(batch, replays_allowed=not self._kv_scales_pending)
+        if aux is not None:  # a graph's stash, which the next replay (maybe launched first) reuses
+            aux = aux.clone()
         launched = LaunchedStep(
             sched_out,
             list(batch.sampling_request_ids),

@@ -283,8 +283,10 @@ def test_penalties_wait_for_the_token_in_flight(tiny_llama_dir):
 def test_config_errors():
     assert EngineConfig.from_settings(async_scheduling=True).scheduler.async_scheduling is True
     assert EngineConfig().scheduler.async_scheduling == "auto"
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        EngineConfig.from_settings(async_scheduling=True, speculative={"method": "ngram"})
+    spec = {"method": "ngram"}
+    assert EngineConfig.from_settings(async_scheduling=True, speculative=spec)
+    with pytest.raises(ConfigError, match="speculative decoding under tensor parallelism"):
+        EngineConfig.from_settings(async_scheduling=True, speculative=spec, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="shared_host_tables"):
         EngineConfig.from_settings(async_scheduling=True, shared_host_tables=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
@@ -298,7 +300,10 @@ def test_auto_is_on_for_cuda_when_nothing_needs_the_tokens_first():
 
     assert decided("cuda") is True
     assert decided("cpu") is False
-    assert decided("cuda", speculative={"method": "ngram"}) is False
+    # Speculation runs ahead of the requests its backoff pauses: with the backoff, one process.
+    assert decided("cuda", speculative={"method": "ngram"}) is True
+    assert decided("cuda", speculative={"method": "ngram", "draft_backoff": False}) is False
+    assert decided("cuda", speculative={"method": "ngram"}, tensor_parallel_size=2) is False
     assert decided("cuda", shared_host_tables=True) is False
     assert decided("cpu", async_scheduling=True) is True  # an explicit choice stays
     assert decided("cuda", async_scheduling=False) is False

@@ -424,6 +424,35 @@ def test_adaptive_verification_trims_poor_drafts_and_learns(tiny_llama_dir, smal
     assert not adaptive._features  # every request's entry was observed or forgotten
 
 
+def test_async_scheduling_runs_ahead_of_paused_requests(tiny_llama_dir, small_draft_dir):
+    """A random drafter's drafts fail: the backoff pauses its requests, and with asynchronous
+    scheduling their steps launch before the previous step's tokens are in, while drafting and
+    verifying steps wait for them. Greedy tokens are the plain ones in both modes."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = dict(method="draft_model", draft_model=str(small_draft_dir), num_speculative_tokens=3)
+    plain_outs, _ = _run(tiny_llama_dir, PROMPTS, params)
+    for async_scheduling in (False, True):
+        with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
+                     async_scheduling=async_scheduling, **spec) as s:  # fmt: skip
+            s.engine.speculation.backoff.break_even = 2.0  # steady, whatever the timing
+            scheduled = []
+            schedule = s.engine.scheduler.schedule
+
+            def record(schedule=schedule, scheduled=scheduled):
+                out = schedule()
+                scheduled.extend(out.requests)
+                return out
+
+            s.engine.scheduler.schedule = record
+            outs = s.generate(PROMPTS, params)
+            stats = s.stats()
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
+        assert stats["spec_num_verify_steps"] > 0  # it drafted
+        ahead = [r for r in scheduled if r.last_token_in_flight]
+        assert bool(ahead) == async_scheduling  # only the async session runs ahead
+        assert not any(r.last_token_in_flight and r.num_spec_tokens for r in scheduled)
+
+
 def test_adaptive_verification_with_the_shipped_dflash_drafter(default_model_dir):
     """Start-up profiling hands a block drafter stand-in context, then removes it; greedy output
     with DFlash drafts trimmed adaptively equals plain greedy on the default model."""
