@@ -1,8 +1,9 @@
 """Speculation against plain decoding on the CPU with the default model and its shipped DFlash
-drafter: decode tok/s of plain decoding, of DFlash with the draft backoff (the default) and of
-DFlash drafting every step, on a plain prompt and a chat-formatted one.
+drafter: decode tok/s of plain decoding, of DFlash with the draft backoff (the default), with the
+backoff and adaptive verification, and drafting every step, on a plain prompt and a
+chat-formatted one.
 
-The three sessions run interleaved, repeat after repeat (greedy, EOS ignored, decode time from
+The sessions run interleaved, repeat after repeat (greedy, EOS ignored, decode time from
 each request's timeline, prefill excluded); the table gives each case's median, its spread and the
 mean acceptance length. Writes JSON too.
 
@@ -18,6 +19,7 @@ import statistics
 CASES = {
     "plain": None,
     "dflash": {"method": "dflash"},
+    "dflash, adaptive": {"method": "dflash", "adaptive_verification": True},
     "dflash, no backoff": {"method": "dflash", "draft_backoff": False},
 }
 PLAIN_PROMPT = "def fib(n):"
