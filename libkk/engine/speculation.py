@@ -152,6 +152,7 @@ class _Backoff:
     rejected: float = 0.0  # verifications that rejected a draft, decayed alike
     skip: int = 0  # steps left without drafts
     wait: int = 0  # the next pause
+    pays: bool = False  # drafting pays: full drafts (else the next drafts are a look)
 
 
 class DraftBackoff:
@@ -160,38 +161,41 @@ class DraftBackoff:
     Each draft is taken to be accepted with one rate a: from a request's verifications (drafts
     accepted, and whether one was rejected; older verifications decayed by DECAY each) a is
     estimated as (accepted + 1) / (accepted + rejected + 2), which one unlucky verification does
-    not push far, and K drafts are worth (1 - a^(K+1)) / (1 - a) tokens a verification. While
-    that is below `break_even` (a step that drafts and verifies K tokens over a plain step, in
-    time, measured at start-up), the request drafts nothing for a pause, then drafts once to look
-    again. A look emits the expected length where plain steps would have emitted `break_even`
-    tokens in its time: the pause is long enough for looks to lose PROBE_LOSS of the request's
-    tokens at that rate, and at least doubles each time (FIRST_PAUSE up to MAX_PAUSE steps).
-    Decisions read the request's own tokens and the session's break-even only, so a request
-    drafts the same alone or in any batch, and greedy output is the plain output whatever is
-    decided.
+    not push far, and k drafts are worth (1 - a^(k+1)) / (1 - a) tokens a verification. A request
+    drafts `num_drafts` (K) while K drafts are worth `break_even` (a step that drafts and verifies
+    K over a plain step, in time, measured at start-up); below it, it drafts nothing for a pause,
+    then looks: it drafts LOOK_DRAFTS, as it does at its first step. A look emits its expected
+    length where plain steps would have emitted `look_break_even` tokens in its time: the pause
+    is long enough for looks to lose LOOK_LOSS of the request's tokens at that rate, and at least
+    doubles each time (FIRST_PAUSE up to MAX_PAUSE steps). Decisions read the request's own
+    tokens and the session's break-evens only, so a request drafts the same alone or in any
+    batch, and greedy output is the plain output whatever is decided.
     """
 
     DECAY = 0.9
     FIRST_PAUSE, MAX_PAUSE = 8, 128
-    PROBE_LOSS = 0.01
+    LOOK_DRAFTS = 1
+    LOOK_LOSS = 0.01
 
-    def __init__(self, break_even: float, num_drafts: int) -> None:
+    def __init__(self, break_even: float, look_break_even: float, num_drafts: int) -> None:
         self.break_even = break_even
+        self.look_break_even = look_break_even
         self.num_drafts = num_drafts
         self._requests: dict[str, _Backoff] = {}
 
     def drafts_next(self, request_id: str) -> bool:
-        """Whether the next `wants_drafts` of the request says yes (it is not paused)."""
+        """Whether the next `drafts_for` of the request gives drafts (it is not paused)."""
         state = self._requests.get(request_id)
         return state is None or state.skip == 0
 
-    def wants_drafts(self, request_id: str) -> bool:
-        """Whether the request drafts for its next step (a paused one counts the step)."""
+    def drafts_for(self, request_id: str) -> int:
+        """The drafts the request may propose for its next step: K while drafting pays, a
+        look's at its first step and after a pause, 0 while paused (counting the step)."""
         state = self._requests.get(request_id)
-        if state is None or state.skip == 0:
-            return True
-        state.skip -= 1
-        return False
+        if state is not None and state.skip:
+            state.skip -= 1
+            return 0
+        return self.num_drafts if state is not None and state.pays else self.LOOK_DRAFTS
 
     def observe(self, request_id: str, num_emitted: int, num_verified: int) -> None:
         """A verification of `num_verified` drafts of the request emitted `num_emitted` tokens
@@ -200,18 +204,19 @@ class DraftBackoff:
         accepted = num_emitted - 1
         state.accepted = self.DECAY * state.accepted + accepted
         state.rejected = self.DECAY * state.rejected + (accepted < num_verified)
-        loss = self.break_even - self.expected_length(state)  # tokens a look loses
-        if loss > 0:
-            # A pause of P plain steps and a look of break_even steps' time lose `loss` tokens.
-            pause = max(loss / self.PROBE_LOSS - self.break_even, 2 * state.wait, self.FIRST_PAUSE)
-            state.wait = state.skip = int(min(pause, self.MAX_PAUSE))
-        else:
-            state.wait = 0
+        state.pays = self.expected_length(state, self.num_drafts) >= self.break_even
+        if state.pays:
+            state.wait = state.skip = 0
+            return
+        # A pause of P plain steps and a look of look_break_even steps' time lose `loss` tokens.
+        loss = max(self.look_break_even - self.expected_length(state, self.LOOK_DRAFTS), 0.0)
+        pause = max(loss / self.LOOK_LOSS - self.look_break_even, 2 * state.wait, self.FIRST_PAUSE)
+        state.wait = state.skip = int(min(pause, self.MAX_PAUSE))
 
-    def expected_length(self, state: _Backoff) -> float:
+    def expected_length(self, state: _Backoff, num_drafts: int) -> float:
         """Tokens a verification of num_drafts drafts emits at the request's estimated rate."""
         rate = (state.accepted + 1) / (state.accepted + state.rejected + 2)
-        return sum(rate**i for i in range(self.num_drafts + 1))
+        return sum(rate**i for i in range(num_drafts + 1))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -277,14 +282,17 @@ class Speculation:
             if request.finished:
                 self.drop(request.request_id)
                 continue
+            allowed = (
+                self.num_speculative_tokens
+                if self.backoff is None
+                else self.backoff.drafts_for(request.request_id)
+            )
             max_drafts = min(
-                self.num_speculative_tokens,
+                allowed,
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
-            if max_drafts > 0 and (
-                self.backoff is None or self.backoff.wants_drafts(request.request_id)
-            ):
+            if max_drafts > 0:
                 # The live token list, not a copy (O(length) per request and step): proposers
                 # read it during the call only.
                 ask = ProposeRequest(
@@ -425,9 +433,13 @@ def build_speculation(
             ),
         )
     if backs_off:
-        break_even = break_even_length(cost, spec.num_speculative_tokens)
-        logger.info("drafting pays from an acceptance length of %.2f", break_even)
-        backoff = DraftBackoff(break_even, spec.num_speculative_tokens)
+        k = spec.num_speculative_tokens
+        break_even = break_even_length(cost, k)
+        look = break_even_length(cost, DraftBackoff.LOOK_DRAFTS)
+        logger.info(
+            "drafting pays from an acceptance length of %.2f (a look: %.2f)", break_even, look
+        )
+        backoff = DraftBackoff(break_even, look, k)
     return Speculation(
         proposer,
         adaptive,

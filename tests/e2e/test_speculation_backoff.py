@@ -14,8 +14,9 @@ def _run(backoff: bool) -> tuple[list[list[int]], dict]:
     spec = {"method": "dflash", "draft_backoff": backoff}
     with Session(max_model_len=256, speculative=spec, progress=False) as s:
         if backoff:
-            assert s.engine.speculation.backoff is not None
-            s.engine.speculation.backoff.break_even = 2.0  # steady, whatever the timing
+            steady = s.engine.speculation.backoff  # break-evens steady, whatever the timing
+            assert steady is not None
+            steady.break_even, steady.look_break_even = 2.0, 1.5
         outs = s.generate(PROMPTS, PARAMS)
         return [o.token_ids for o in outs], s.stats()
 

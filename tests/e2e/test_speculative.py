@@ -128,6 +128,7 @@ def test_draft_model_greedy_equals_plain(
         method="draft_model",
         draft_model=str(draft),
         num_speculative_tokens=4,
+        draft_backoff=False,  # every step drafts K: verification in each mix, whatever pays
         **MIXES[mix],
     )
     assert [o.token_ids for o in outs] == _expected(reference, "tiny", mix)
@@ -434,7 +435,8 @@ def test_async_scheduling_runs_ahead_of_paused_requests(tiny_llama_dir, small_dr
     for async_scheduling in (False, True):
         with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
                      async_scheduling=async_scheduling, **spec) as s:  # fmt: skip
-            s.engine.speculation.backoff.break_even = 2.0  # steady, whatever the timing
+            backoff = s.engine.speculation.backoff
+            backoff.break_even, backoff.look_break_even = 2.0, 1.5  # steady, whatever the timing
             scheduled = []
             schedule = s.engine.scheduler.schedule
 
