@@ -168,15 +168,15 @@ class Sampler:
             if not group:
                 continue
             picked = [rows[i] for i in group]
-            seeds = _host_ints([row.seed for row in picked], device)
-            positions = _host_ints([row.position for row in picked], device)
+            seeds = _host_values([row.seed for row in picked], device)
+            positions = _host_values([row.position for row in picked], device)
             params = [row.params for row in picked]
             if len(group) == num_rows:
                 xr = x.clone() if x is logits else x  # sampling works in place
                 token_ids = sample(xr, params, seeds, positions)
             else:
-                token_ids[_host_ints(group, device)] = sample(
-                    x[_host_ints(group, device)], params, seeds, positions
+                token_ids[_host_values(group, device)] = sample(
+                    x[_host_values(group, device)], params, seeds, positions
                 )
         return SampledTokens(token_ids, logprob_tensors(logits, token_ids, rows))
 
@@ -229,7 +229,7 @@ def logprob_tensors(
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return None
-    idx = _host_ints(wanted, logits.device)
+    idx = _host_values(wanted, logits.device)
     lp = logits[idx].float().log_softmax(dim=-1)  # [W, V]
     sampled = lp.gather(1, token_ids[idx].clamp(min=0)[:, None])  # [W, 1]
     rank = (lp > sampled).sum(dim=-1) + 1  # [W]
@@ -238,9 +238,12 @@ def logprob_tensors(
     return LogprobTensors(wanted, num_top, sampled[:, 0], rank, top_lp, top_ids)
 
 
-def _host_ints(values: Sequence[int], device: torch.device) -> Tensor:
-    """A host int64 list on `device` (through pinned memory on CUDA: no wait for the copy)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def _host_values(
+    values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.int64
+) -> Tensor:
+    """A host list on `device` (through pinned memory on CUDA: the copy waits for nothing the
+    device has queued, so a step launched ahead of the previous one's end stays ahead)."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -348,7 +351,7 @@ class _Cut:
 def _apply_temperature(logits: Tensor, params: Sequence[SamplingParams]) -> None:
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, dtype=torch.float32, device=logits.device)[:, None])
+        logits.div_(_host_values(temps, logits.device, torch.float32)[:, None])
 
 
 def _filter_cut(logits: Tensor, params: Sequence[SamplingParams]) -> _Cut:
