@@ -1,5 +1,5 @@
-"""Host time to fill one step's grammar masks: one llguidance call per constrained row, against
-one call for the whole batch on llguidance's threads (`compute_next_masks`, what the engine does).
+"""Host time to fill one step's grammar masks: one llguidance call per constrained row (what the
+engine does), against one call for the whole batch on llguidance's thread pool (`LLExecutor`).
 
 Rows are matchers of structured.py's LONG_ANSWER schema advanced into its free string (the state
 its constrained decode spends its steps in: nearly every token allowed, the costliest mask) or of
@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from structured import LONG_ANSWER
 
 from libkk.models.default import default_model_path
 from libkk.models.tokenizer import Tokenizer
-from libkk.sample import grammar
-from libkk.sample.grammar import GrammarCompiler, compute_next_masks
+from libkk.sample.grammar import GrammarCompiler, bitmask_words
 from libkk.sample.params import StructuredOutput
 
 RECORD = {
@@ -65,8 +65,7 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="llguidance's pool for the batched column (default: the engine's choice, none "
-        "below 4 CPUs)",
+        help="threads of llguidance's pool for the batched column (default: its own choice)",
     )
     ap.add_argument(
         "--tokenizer",
@@ -74,10 +73,6 @@ def main() -> None:
         help="a byte-level tokenizer.json (default: the default model's)",
     )
     args = ap.parse_args()
-    if args.threads is not None:
-        import llguidance
-
-        grammar._EXECUTOR = llguidance.LLExecutor(num_threads=args.threads)
     if args.tokenizer is None:
         folder = default_model_path(progress=False)
     else:  # a folder of the tokenizer alone
@@ -86,8 +81,11 @@ def main() -> None:
         (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
     tok = Tokenizer.from_folder(folder)
     grammars = GrammarCompiler(folder / "tokenizer.json", tok.vocab_size, tok.eos_token_ids)
-    pool = grammar._executor()
-    print(f"{os.cpu_count()} CPUs, vocabulary {tok.vocab_size}, batched: {pool or 'row by row'}")
+    import llguidance
+
+    threads = {} if args.threads is None else {"num_threads": args.threads}
+    pool = llguidance.LLExecutor(**threads)
+    print(f"{os.cpu_count()} CPUs, vocabulary {tok.vocab_size}")
     print(
         f"{'case':>12}{'batch':>6}{'one by one ms':>15}{'spread':>15}{'together ms':>13}{'spread':>15}"
     )
@@ -102,9 +100,7 @@ def main() -> None:
                 alone.append((time.perf_counter() - start) * 1e3)
                 ms = rows(grammars, tok, case, batch)
                 start = time.perf_counter()
-                compute_next_masks(ms)
-                for m in ms:
-                    m.next_mask()  # known now, or (one row) computed here
+                pooled_masks(ms, pool)
                 together.append((time.perf_counter() - start) * 1e3)
             print(
                 f"{case:>12}{batch:>6}{statistics.median(alone):>15.3f}"
@@ -112,6 +108,15 @@ def main() -> None:
                 f"{f'{min(together):.3f}-{max(together):.3f}':>15}",
                 flush=True,
             )
+
+
+def pooled_masks(matchers: list, pool) -> torch.Tensor:
+    """[rows, words] int32: every matcher's next mask in one call on llguidance's threads."""
+    words = bitmask_words(matchers[0].vocab_size)
+    masks = torch.zeros(len(matchers), words, dtype=torch.int32)
+    pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+    pool.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), words * 4, len(matchers))
+    return masks
 
 
 if __name__ == "__main__":

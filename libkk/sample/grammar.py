@@ -11,10 +11,9 @@ consumes the tokens that were sampled; the sampler applies the masks (libkk.kern
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,48 +130,6 @@ class GrammarCompiler:
                 f"SamplingParams.structured.{kind} admits no output: no token may start it"
             )
         return result
-
-
-# A batch's masks go to llguidance's thread pool only where it has threads to spare: its default
-# pool takes 80% of the CPUs, one thread on a 2-CPU machine, where one batched call measured
-# slower than the same masks row by row (benchmarks/grammar_masks.py).
-_MIN_POOL_CPUS = 4
-_EXECUTOR: Any = None
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _executor() -> Any:
-    """llguidance's thread pool, one per process (like torch's: it holds no request's state, and
-    sessions may share it); None where the process has fewer than _MIN_POOL_CPUS CPUs."""
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            if hasattr(os, "sched_getaffinity"):
-                cpus = len(os.sched_getaffinity(0))  # the CPUs this process may run on
-            else:
-                cpus = os.cpu_count() or 1
-            _EXECUTOR = _llguidance().LLExecutor() if cpus >= _MIN_POOL_CPUS else False
-        return _EXECUTOR or None
-
-
-def compute_next_masks(grammars: Iterable[GrammarMatcher]) -> None:
-    """Computes the next mask of every matcher that has none yet, all in one call on llguidance's
-    threads (which release the GIL), where the machine has CPUs for them: a batch's masks then
-    cost a few masks' time, not one per row. `next_mask` returns them (or computes its own)."""
-    todo: dict[int, list[GrammarMatcher]] = {}
-    for g in grammars:
-        if g._mask is None and not g._matcher.is_error():
-            todo.setdefault(bitmask_words(g.vocab_size), []).append(g)
-    pool = _executor() if todo else None
-    for words, group in todo.items():
-        if len(group) < 2 or pool is None:
-            continue  # computed when asked
-        masks = torch.zeros(len(group), words, dtype=torch.int32)
-        pool.unsafe_compute_mask_ptr(
-            [(g._matcher, i) for i, g in enumerate(group)], masks.data_ptr(), words * 4, len(group)
-        )
-        for g, mask in zip(group, masks, strict=True):
-            g._mask = mask
 
 
 def json_rule(schema: Mapping[str, Any]) -> str:

@@ -11,7 +11,7 @@ from libkk.kernels.bitmask import apply_token_bitmask_ref
 
 from libkk.engine.request import Request, RequestStatus
 from libkk.errors import StructuredOutputError
-from libkk.sample.grammar import GrammarCompiler, bitmask_words, compute_next_masks
+from libkk.sample.grammar import GrammarCompiler, bitmask_words
 from libkk.sample.params import SamplingParams, StructuredOutput
 from libkk.sample.sampler import Sampler, SamplingRow
 
@@ -109,45 +109,6 @@ def test_matcher_follows_tokens(compiler):
     assert not m.is_finished() and m.num_consumed == len(ids) - 1
     assert not m.consume(tok.encode("x", add_special_tokens=False)[0])
     assert m.error() is not None
-
-
-def test_masks_computed_together_equal_masks_computed_one_by_one(compiler, monkeypatch):
-    """compute_next_masks (llguidance's threads, one call) gives each matcher the mask next_mask
-    computes alone; a mask known already and a matcher in error are left as they are."""
-    import llguidance
-
-    from libkk.sample import grammar
-
-    # The pool whatever this machine's CPUs (below 4 the engine computes row by row).
-    monkeypatch.setattr(grammar, "_EXECUTOR", llguidance.LLExecutor(num_threads=2))
-    grammars, tok = compiler
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "k": {"enum": ["a"]}}}
-    text = '{"n": 12, "k": "a"}'
-    ids = tok.encode(text, add_special_tokens=False)
-    specs = [StructuredOutput(json_schema=schema)] * 6 + [StructuredOutput(regex=r"\d{4}-\d{2}")]
-
-    def advanced() -> list:
-        out = []
-        for i, spec in enumerate(specs):
-            m = grammars.matcher(spec)
-            for t in (ids if i < 6 else tok.encode("20", add_special_tokens=False))[: i + 1]:
-                assert m.consume(t)
-            out.append(m)
-        return out
-
-    alone, together = advanced(), advanced()
-    want = [m.next_mask().clone() for m in alone]
-    known = together[2].next_mask()
-    assert not together[5].consume(tok.encode("[", add_special_tokens=False)[0])  # in error
-    compute_next_masks(together)
-    batch = together[0]._mask._base  # rows of one batch tensor: the pool filled them
-    assert batch is not None and together[6]._mask._base is batch
-    assert together[2].next_mask() is known
-    assert not bool(together[5].next_mask().any())
-    for i, (m, mask) in enumerate(zip(together, want, strict=True)):
-        if i != 5:
-            assert torch.equal(m.next_mask(), mask), i
-    assert len({tuple(mask.tolist()) for mask in want}) > 3  # the states differ
 
 
 def test_request_with_grammar_finishes_with_stop(compiler):
