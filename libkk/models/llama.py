@@ -181,8 +181,7 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint name substrings renamed before matching (e.g. Mixtral's block_sparse_moe -> mlp).
     weight_renames: tuple[tuple[str, str], ...] = ()
     # Every op of the CUDA forward is a libkk kernel: torch.compile has nothing left to fuse, so
-    # `torch_compile="auto"` leaves it off. Set only where a benchmark showed it (Llama's rotary
-    # is torch ops, which Inductor fuses).
+    # `torch_compile="auto"` leaves it off. Set only where a benchmark showed it.
     fused_on_cuda: bool = False
     # Per-expert checkpoint projection name -> (FusedMoE parameter, part); empty for dense models.
     expert_weights: dict[str, tuple[str, int]] = {}
