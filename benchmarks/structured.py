@@ -90,6 +90,13 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="a byte-level tokenizer.json")
     ap.add_argument("--dir", default="/tmp/libkk-bench")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument(
+        "--max-length",
+        type=int,
+        default=4000,
+        help="the answer string's maxLength (0: none; a bound makes each mask in the string "
+        "about 2.5x costlier on the host, benchmarks/grammar_masks.py)",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,6 +120,8 @@ def main() -> None:
         (bpe / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
         shutil.copy(path / "config.json", bpe / "config.json")
     cfg = {**COMMON, **SHAPES[args.shape]}
+    answer = {"type": "string", **({"maxLength": args.max_length} if args.max_length else {})}
+    schema = {**LONG_ANSWER, "properties": {"answer": answer}}
     bandwidth = copy_bandwidth(device) if device == "cuda" else float("nan")
     rows = []
     for batch in args.batch:
@@ -124,7 +133,7 @@ def main() -> None:
                     f"large schema: first request {first * 1e3:.1f} ms, again {again * 1e3:.1f} ms"
                 )
             plain = bench(s, batch, args.tokens, args.repeats, None)
-            constrained = bench(s, batch, args.tokens, args.repeats, LONG_ANSWER)
+            constrained = bench(s, batch, args.tokens, args.repeats, schema)
             floor = step_bytes(cfg, s.engine.weights_bytes, "bf16", batch, 32 + args.tokens // 2)
         row = {
             "batch": batch,
