@@ -192,7 +192,7 @@ class DraftBackoff:
         """The drafts the request may propose for its next step: K while drafting pays, a
         look's at its first step and after a pause, 0 while paused (counting the step)."""
         state = self._requests.get(request_id)
-        if state is not None and state.skip:
+        if not self.drafts_next(request_id):
             state.skip -= 1
             return 0
         return self.num_drafts if state is not None and state.pays else self.LOOK_DRAFTS
