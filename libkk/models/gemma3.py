@@ -154,6 +154,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3: LlamaForCausalLM's model interface and weight mapping (q/k/v and gate/up stacked)
     over Gemma's own module tree."""
 
+    fused_on_cuda = False  # its (1 + w) q/k norms and rotation are torch ops; not yet measured
+
     def __init__(self, config: ArchConfig) -> None:
         # NOTE: LlamaForCausalLM.__init__ builds Llama's tree; this builds Gemma's instead and
         # inherits only the methods.

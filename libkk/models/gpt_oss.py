@@ -45,10 +45,6 @@ _MXFP4_BLOCK_BYTES = 16  # 32 E2M1 codes
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    # Every op of the CUDA forward is a libkk kernel (the rotation inside attention, biases in the
-    # GEMVs, the packed experts): benchmarks/RESULTS.md 2026-12-07 measured the compiled and the
-    # eager forward equal in decode (gpt-oss-20b, batch 1) and eager faster in prefill.
-    fused_on_cuda = True
     weight_renames = ((".mlp.router.", ".mlp.gate."), (".self_attn.sinks", ".self_attn.attn.sinks"))
     expert_weights = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
                       "down_proj": ("w2_weight", 0)}  # fmt: skip

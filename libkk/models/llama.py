@@ -181,8 +181,11 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint name substrings renamed before matching (e.g. Mixtral's block_sparse_moe -> mlp).
     weight_renames: tuple[tuple[str, str], ...] = ()
     # Every op of the CUDA forward is a libkk kernel: torch.compile has nothing left to fuse, so
-    # `torch_compile="auto"` leaves it off. Set only where a benchmark showed it.
-    fused_on_cuda: bool = False
+    # `torch_compile="auto"` leaves it off: compiled and eager measured equal in decode and eager
+    # faster in prefill for the Llama-3-8B and Qwen3-8B shapes and gpt-oss-20b
+    # (benchmarks/RESULTS.md, 2026-12-05 and 2026-12-07). A family whose forward adds torch ops
+    # of its own sets it False until a benchmark shows otherwise.
+    fused_on_cuda: bool = True
     # Per-expert checkpoint projection name -> (FusedMoE parameter, part); empty for dense models.
     expert_weights: dict[str, tuple[str, int]] = {}
 

@@ -19,6 +19,7 @@ from libkk.models.llama import LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    fused_on_cuda = False  # the router's torch ops; compiled against eager not yet measured
     weight_renames = ((".block_sparse_moe.", ".mlp."),)
     expert_weights = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 0)}
 

@@ -13,3 +13,5 @@ from libkk.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: the Llama module tree with names matching the checkpoint's fused projections."""
+
+    fused_on_cuda = False  # partial rotary (Phi-4-mini) rotates in torch ops; not yet measured
