@@ -1,5 +1,6 @@
 """Host time to fill one step's grammar masks: one llguidance call per constrained row (what the
-engine does), against one call for the whole batch on llguidance's thread pool (`LLExecutor`).
+engine does), against one call for the whole batch on llguidance's thread pool (`LLExecutor`),
+and against the rows split over Python threads (llguidance drops the GIL while it computes).
 
 Rows are matchers of structured.py's LONG_ANSWER schema advanced into its free string (the state
 its constrained decode spends its steps in: nearly every token allowed, the costliest mask), of
@@ -7,7 +8,7 @@ the same string without its maxLength ("unbounded"), or of a schema with numbers
 advanced part way (structural states), each row a few tokens apart. Each repeat times fresh matchers; the figure is the median ms per step, with the spread.
 Host work only: it runs the same on a CPU-only machine.
 
-    python benchmarks/grammar_masks.py [--batch 1 8 32] [--repeats 20] [--tokenizer FILE]
+    python benchmarks/grammar_masks.py [--batch 1 8 32] [--repeats 20] [--threads N] [--tokenizer FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -71,7 +73,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="threads of llguidance's pool for the batched column (default: its own choice)",
+        help="threads of llguidance's pool and of the Python threads (default: llguidance's "
+        "own choice; 4 Python threads)",
     )
     ap.add_argument(
         "--tokenizer",
@@ -91,13 +94,18 @@ def main() -> None:
 
     threads = {} if args.threads is None else {"num_threads": args.threads}
     pool = llguidance.LLExecutor(**threads)
-    print(f"{os.cpu_count()} CPUs, vocabulary {tok.vocab_size}")
+    workers = ThreadPoolExecutor(args.threads or 4)
     print(
-        f"{'case':>12}{'batch':>6}{'one by one ms':>15}{'spread':>15}{'together ms':>13}{'spread':>15}"
+        f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable), vocabulary "
+        f"{tok.vocab_size}, {args.threads or 4} Python threads"
+    )
+    print(
+        f"{'case':>12}{'batch':>6}{'one by one ms':>15}{'spread':>15}{'together ms':>13}"
+        f"{'spread':>15}{'threads ms':>12}{'spread':>15}"
     )
     for case in CASES:
         for batch in args.batch:
-            alone, together = [], []
+            alone, together, threaded = [], [], []
             for _ in range(args.repeats):
                 ms = rows(grammars, tok, case, batch)
                 start = time.perf_counter()
@@ -108,10 +116,16 @@ def main() -> None:
                 start = time.perf_counter()
                 pooled_masks(ms, pool)
                 together.append((time.perf_counter() - start) * 1e3)
+                ms = rows(grammars, tok, case, batch)
+                start = time.perf_counter()
+                threaded_masks(ms, workers, args.threads or 4)
+                threaded.append((time.perf_counter() - start) * 1e3)
             print(
                 f"{case:>12}{batch:>6}{statistics.median(alone):>15.3f}"
                 f"{f'{min(alone):.3f}-{max(alone):.3f}':>15}{statistics.median(together):>13.3f}"
-                f"{f'{min(together):.3f}-{max(together):.3f}':>15}",
+                f"{f'{min(together):.3f}-{max(together):.3f}':>15}"
+                f"{statistics.median(threaded):>12.3f}"
+                f"{f'{min(threaded):.3f}-{max(threaded):.3f}':>15}",
                 flush=True,
             )
 
@@ -123,6 +137,19 @@ def pooled_masks(matchers: list, pool) -> torch.Tensor:
     pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
     pool.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), words * 4, len(matchers))
     return masks
+
+
+def threaded_masks(matchers: list, workers: ThreadPoolExecutor, num_threads: int) -> None:
+    """Every matcher's next mask, the rows split into one contiguous share per thread."""
+
+    def share(part: list) -> None:
+        for m in part:
+            m.next_mask()
+
+    size = -(-len(matchers) // num_threads)
+    parts = [matchers[i : i + size] for i in range(0, len(matchers), size)]
+    for future in [workers.submit(share, part) for part in parts]:
+        future.result()
 
 
 if __name__ == "__main__":

@@ -135,10 +135,12 @@ def run(
         if profile:
             profile_steps(s, ids, tokens)
         weights = s.engine.weights_bytes
+        startup = {k: round(v, 3) for k, v in s.startup_seconds.items()}
     row = {"tok_s": statistics.median(tok_s), "spread": [min(tok_s), max(tok_s)],
            "per_repeat": tok_s, "steady_tok_s": statistics.median(steady),
            "steady_spread": [min(steady), max(steady)]}  # fmt: skip
     row["weights_bytes"] = weights
+    row["startup_s"] = startup  # graph capture and the speculation cost profile among them
     if "spec_num_verify_steps" in after:
         steps = after["spec_num_verify_steps"] - before["spec_num_verify_steps"]
         accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]

@@ -55,7 +55,7 @@ from libkk.models.arch_config import ArchConfig
 from libkk.models.default import resolve_model_path
 from libkk.models.tokenizer import Tokenizer
 from libkk.runtime.io import LaunchedStep, RunnerOutput, SchedulerOutput
-from libkk.sample.grammar import GrammarCompiler
+from libkk.sample.grammar import GrammarCompiler, compute_next_masks
 from libkk.sample.params import SamplingParams
 
 logger = logging.getLogger("libkk")
@@ -359,6 +359,7 @@ class Engine:
             for s in step.sched_out.requests
             if s.sampling is not None and s.sampling.grammar_pending
         ]
+        compute_next_masks(r.grammar for r in pending if not r.finished)
         masks = {r.request_id: None if r.finished else r.grammar.next_mask() for r in pending}
         try:
             self.runner.sample_pending(step.launched, masks)

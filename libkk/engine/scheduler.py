@@ -51,6 +51,7 @@ from libkk.runtime.io import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from libkk.sample.grammar import compute_next_masks
 
 PREFILL, DECODE = PREFILL_STEP, DECODE_STEP
 # "auto" share: bounds and the most it moves per step.
@@ -125,6 +126,12 @@ class Scheduler:
         budget = self._schedule_running(step_class, budget, scheduled, out)
         if step_class != DECODE:
             self._schedule_waiting(budget, scheduled, now)
+        # The masks the scheduled grammar rows sample with, all at once (a token in flight: later).
+        compute_next_masks(
+            r.grammar
+            for r in self.running
+            if r.grammar is not None and r.num_pending_tokens == 0 and r.request_id in scheduled
+        )
         for request in self.running:
             num_new = scheduled.get(request.request_id)
             if num_new is not None:

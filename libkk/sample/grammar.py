@@ -6,14 +6,17 @@ and the bitmask of allowed tokens applied to logits before sampling.
 `StructuredOutputError` for a constraint that cannot be used. A matcher fills one row of an int32
 bitmask `[ceil(vocab / 32)]` (bit t of word t // 32 set = token t allowed) for its next token and
 consumes the tokens that were sampled; the sampler applies the masks (libkk.kernels.bitmask).
+`compute_next_masks` makes a step's masks over a few threads where the step has many rows.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,58 @@ class GrammarCompiler:
                 f"SamplingParams.structured.{kind} admits no output: no token may start it"
             )
         return result
+
+
+# A step's masks are spread over Python threads (llguidance drops the GIL while it computes a mask)
+# where the process has CPUs to spare: on a 16-CPU H100 host 32 masks inside a free JSON string
+# took 11 ms row by row and 2.8 ms on 8 threads, while llguidance's own pool measured no faster
+# than row by row (benchmarks/RESULTS.md, 2026-12-07). A thread takes at least MIN_ROWS_PER_THREAD
+# rows: structural masks are cheap, and handing out one costs about what it does.
+MAX_MASK_THREADS = 8
+MIN_ROWS_PER_THREAD = 4
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def mask_threads() -> int:
+    """Threads a step's masks may use: half the CPUs this process may run on, at most
+    MAX_MASK_THREADS; 1 (row by row) below 4 CPUs."""
+    if hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
+    else:
+        cpus = os.cpu_count() or 1
+    return min(MAX_MASK_THREADS, cpus // 2) if cpus >= 4 else 1
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's mask threads (one pool, like torch's: it holds no request's state, and
+    sessions share it)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(MAX_MASK_THREADS, thread_name_prefix="libkk-grammar")
+        return _POOL
+
+
+def compute_next_masks(grammars: Iterable[GrammarMatcher], threads: int | None = None) -> None:
+    """Computes the next mask of every matcher that has none yet, the rows split over up to
+    `threads` threads (default `mask_threads()`), this one among them; `next_mask` then returns
+    them. Too few rows for two threads: left to `next_mask`, row by row."""
+    todo = [g for g in grammars if g._mask is None]
+    threads = min(threads or mask_threads(), len(todo) // MIN_ROWS_PER_THREAD, MAX_MASK_THREADS)
+    if threads < 2:
+        return
+    size = -(-len(todo) // threads)
+    parts = [todo[i : i + size] for i in range(0, len(todo), size)]
+    futures = [_pool().submit(_fill_masks, part) for part in parts[1:]]
+    _fill_masks(parts[0])
+    for future in futures:
+        future.result()
+
+
+def _fill_masks(grammars: Sequence[GrammarMatcher]) -> None:
+    for g in grammars:
+        g.next_mask()
 
 
 def json_rule(schema: Mapping[str, Any]) -> str:

@@ -11,7 +11,7 @@ from libkk.kernels.bitmask import apply_token_bitmask_ref
 
 from libkk.engine.request import Request, RequestStatus
 from libkk.errors import StructuredOutputError
-from libkk.sample.grammar import GrammarCompiler, bitmask_words
+from libkk.sample.grammar import GrammarCompiler, bitmask_words, compute_next_masks
 from libkk.sample.params import SamplingParams, StructuredOutput
 from libkk.sample.sampler import Sampler, SamplingRow
 
@@ -109,6 +109,43 @@ def test_matcher_follows_tokens(compiler):
     assert not m.is_finished() and m.num_consumed == len(ids) - 1
     assert not m.consume(tok.encode("x", add_special_tokens=False)[0])
     assert m.error() is not None
+
+
+def test_masks_computed_on_threads_equal_masks_computed_one_by_one(compiler):
+    """compute_next_masks (the rows split over threads) gives each matcher the mask next_mask
+    computes alone; a mask known already and a matcher in error are left as they are; too few
+    rows for two threads are left to next_mask."""
+    grammars, tok = compiler
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "k": {"enum": ["a"]}}}
+    text = '{"n": 12, "k": "a"}'
+    ids = tok.encode(text, add_special_tokens=False)
+    specs = [StructuredOutput(json_schema=schema)] * 8 + [StructuredOutput(regex=r"\d{4}-\d{2}")]
+
+    def advanced() -> list:
+        out = []
+        for i, spec in enumerate(specs):
+            m = grammars.matcher(spec)
+            for t in (ids if i < 8 else tok.encode("20", add_special_tokens=False))[: i % 6 + 1]:
+                assert m.consume(t)
+            out.append(m)
+        return out
+
+    alone, together = advanced(), advanced()
+    want = [m.next_mask().clone() for m in alone]
+    known = together[2].next_mask()
+    assert not together[5].consume(tok.encode("[", add_special_tokens=False)[0])  # in error
+    compute_next_masks(together, threads=2)
+    assert all(m._mask is not None for m in together)  # every row computed by the call
+    assert together[2].next_mask() is known
+    assert not bool(together[5].next_mask().any())
+    for i, (m, mask) in enumerate(zip(together, want, strict=True)):
+        if i != 5:
+            assert torch.equal(m.next_mask(), mask), i
+    assert len({tuple(mask.tolist()) for mask in want}) > 3  # the states differ
+
+    few = advanced()[:7]  # 7 rows: one thread's share, computed when asked
+    compute_next_masks(few, threads=2)
+    assert all(m._mask is None for m in few[1:])
 
 
 def test_request_with_grammar_finishes_with_stop(compiler):
