@@ -28,8 +28,9 @@ requests; their state is removed afterwards).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from libkk.runtime.io import RunnerOutput, SchedulerOutput
 from libkk.runtime.model_runner import ModelRunner
 from libkk.sample.params import SamplingParams
 from libkk.sample.sampler import SamplingRow
+from libkk.spec_decode import LOOK_DRAFTS
 from libkk.spec_decode.adaptive import (
     MAX_PROFILED_REQUESTS,
     AdaptiveVerifier,
@@ -152,7 +154,7 @@ class _Backoff:
     rejected: float = 0.0  # verifications that rejected a draft, decayed alike
     skip: int = 0  # steps left without drafts
     wait: int = 0  # the next pause
-    pays: bool = False  # drafting pays: full drafts (else the next drafts are a look)
+    looked: bool = False  # verified drafts at least once (else its next drafts are a look)
 
 
 class DraftBackoff:
@@ -161,57 +163,72 @@ class DraftBackoff:
     Each draft is taken to be accepted with one rate a: from a request's verifications (drafts
     accepted, and whether one was rejected; older verifications decayed by DECAY each) a is
     estimated as (accepted + 1) / (accepted + rejected + 2), which one unlucky verification does
-    not push far, and k drafts are worth (1 - a^(k+1)) / (1 - a) tokens a verification. A request
-    drafts `num_drafts` (K) while K drafts are worth `break_even` (a step that drafts and verifies
-    K over a plain step, in time, measured at start-up); below it, it drafts nothing for a pause,
-    then looks: it drafts LOOK_DRAFTS, as it does at its first step. A look emits its expected
-    length where plain steps would have emitted `look_break_even` tokens in its time: the pause
-    is long enough for looks to lose LOOK_LOSS of the request's tokens at that rate, and at least
-    doubles each time (FIRST_PAUSE up to MAX_PAUSE steps). Decisions read the request's own
-    tokens and the session's break-evens only, so a request drafts the same alone or in any
-    batch, and greedy output is the plain output whatever is decided.
+    not push far, and k drafts are worth (1 - a^(k+1)) / (1 - a) tokens a verification. In a
+    step of n requests, a request drafts `num_drafts` (K) while K drafts are worth
+    `break_even(n, K)` (a step of n requests that draft and verify K each over a plain step of
+    n, in time, measured at start-up: near 1 for one request on a GPU, about 2 for 32, where the
+    verification's tokens make the forward compute-bound); below it, it drafts nothing for a
+    pause, then looks: it drafts LOOK_DRAFTS, as it does at its first step. A look emits its
+    expected length where plain steps would have emitted `break_even(n, LOOK_DRAFTS)` tokens in
+    its time: the pause is long enough for looks to lose LOOK_LOSS of the request's tokens at
+    that rate, and at least doubles each time (FIRST_PAUSE up to MAX_PAUSE steps). Greedy output
+    is the plain output whatever is decided; which steps verify drafts depends on the batch.
     """
 
     DECAY = 0.9
     FIRST_PAUSE, MAX_PAUSE = 8, 128
-    LOOK_DRAFTS = 1
+    LOOK_DRAFTS = LOOK_DRAFTS
     LOOK_LOSS = 0.01
 
-    def __init__(self, break_even: float, look_break_even: float, num_drafts: int) -> None:
-        self.break_even = break_even
-        self.look_break_even = look_break_even
+    def __init__(self, break_even: Callable[[int, int], float], num_drafts: int) -> None:
+        """break_even(num_requests, num_drafts): the acceptance length at which a step of
+        num_requests requests drafting num_drafts each pays (`break_even_length`)."""
+        self._break_even = functools.cache(break_even)
         self.num_drafts = num_drafts
         self._requests: dict[str, _Backoff] = {}
+
+    def break_even(self, num_requests: int, num_drafts: int) -> float:
+        return self._break_even(max(num_requests, 1), num_drafts)
 
     def drafts_next(self, request_id: str) -> bool:
         """Whether the next `drafts_for` of the request gives drafts (it is not paused)."""
         state = self._requests.get(request_id)
         return state is None or state.skip == 0
 
-    def drafts_for(self, request_id: str) -> int:
-        """The drafts the request may propose for its next step: K while drafting pays, a
-        look's at its first step and after a pause, 0 while paused (counting the step)."""
+    def drafts_for(self, request_id: str, num_requests: int) -> int:
+        """The drafts the request may propose for its next step, in a step of about
+        num_requests requests: K while drafting pays, a look's at its first step and after a
+        pause, 0 while paused (counting the step)."""
         state = self._requests.get(request_id)
         if not self.drafts_next(request_id):
             state.skip -= 1
             return 0
-        return self.num_drafts if state is not None and state.pays else self.LOOK_DRAFTS
+        if state is not None and state.looked and self._pays(state, num_requests):
+            return self.num_drafts
+        return self.LOOK_DRAFTS
 
-    def observe(self, request_id: str, num_emitted: int, num_verified: int) -> None:
-        """A verification of `num_verified` drafts of the request emitted `num_emitted` tokens
-        (the accepted drafts and one more)."""
+    def observe(
+        self, request_id: str, num_emitted: int, num_verified: int, num_requests: int
+    ) -> None:
+        """A verification of `num_verified` drafts of the request, in a step of num_requests
+        requests, emitted `num_emitted` tokens (the accepted drafts and one more)."""
         state = self._requests.setdefault(request_id, _Backoff())
         accepted = num_emitted - 1
         state.accepted = self.DECAY * state.accepted + accepted
         state.rejected = self.DECAY * state.rejected + (accepted < num_verified)
-        state.pays = self.expected_length(state, self.num_drafts) >= self.break_even
-        if state.pays:
+        state.looked = True
+        if self._pays(state, num_requests):
             state.wait = state.skip = 0
             return
         # A pause of P plain steps and a look of look_break_even steps' time lose `loss` tokens.
-        loss = max(self.look_break_even - self.expected_length(state, self.LOOK_DRAFTS), 0.0)
-        pause = max(loss / self.LOOK_LOSS - self.look_break_even, 2 * state.wait, self.FIRST_PAUSE)
+        look_break_even = self.break_even(num_requests, self.LOOK_DRAFTS)
+        loss = max(look_break_even - self.expected_length(state, self.LOOK_DRAFTS), 0.0)
+        pause = max(loss / self.LOOK_LOSS - look_break_even, 2 * state.wait, self.FIRST_PAUSE)
         state.wait = state.skip = int(min(pause, self.MAX_PAUSE))
+
+    def _pays(self, state: _Backoff, num_requests: int) -> bool:
+        k = self.num_drafts
+        return self.expected_length(state, k) >= self.break_even(num_requests, k)
 
     def expected_length(self, state: _Backoff, num_drafts: int) -> float:
         """Tokens a verification of num_drafts drafts emits at the request's estimated rate."""
@@ -222,12 +239,13 @@ class DraftBackoff:
         self._requests.pop(request_id, None)
 
 
-def break_even_length(cost: CostModel, num_speculative_tokens: int) -> float:
-    """The acceptance length at which drafting K tokens for one request pays: the time of a step
-    that drafts and verifies 1 + K tokens over a plain step's (captured graphs' times where the
-    steps replay graphs)."""
-    drafting = cost.step_ms(1, np.array([num_speculative_tokens]))
-    plain = cost.step_ms(1, np.array([0])) - float(cost.draft(1))
+def break_even_length(cost: CostModel, num_requests: int, num_drafts: int) -> float:
+    """The acceptance length at which drafting pays for a step of num_requests requests that
+    draft num_drafts each: that step's time over a plain step's (captured graphs' times where
+    the steps replay graphs)."""
+    drafting = cost.step_ms(num_requests, np.full(num_requests, num_drafts))
+    plain = cost.step_ms(num_requests, np.zeros(num_requests, np.int64))
+    plain -= float(cost.draft(num_requests))
     # Never below 1: a drafting step cheaper than a plain one is a timing fluke (then drafting
     # always goes on).
     return max(drafting / max(plain, 1e-9), 1.0)
@@ -266,12 +284,15 @@ class Speculation:
             self.drop(rid)
         if self.adaptive is not None:
             self.adaptive.observe(sched_out, runner_out)
+        # The backoff's break-evens are those of a step of this one's size (the next is
+        # about as large).
+        batch = len(sched_out.requests)
         if self.backoff is not None:
             for scheduled in sched_out.requests:
                 tokens = runner_out.sampled_token_ids.get(scheduled.request_id)
                 if scheduled.num_spec_tokens and tokens:
                     self.backoff.observe(
-                        scheduled.request_id, len(tokens), scheduled.num_spec_tokens
+                        scheduled.request_id, len(tokens), scheduled.num_spec_tokens, batch
                     )
         for rid, (start, hidden) in runner_out.aux_hidden.items():
             request = live.get(rid)
@@ -285,7 +306,7 @@ class Speculation:
             allowed = (
                 self.num_speculative_tokens
                 if self.backoff is None
-                else self.backoff.drafts_for(request.request_id)
+                else self.backoff.drafts_for(request.request_id, batch)
             )
             max_drafts = min(
                 allowed,
@@ -410,18 +431,22 @@ def build_speculation(
     backs_off = spec.draft_backoff and get_tp_size() == 1
     cost = None
     if spec.adaptive_verification or backs_off:
+        # The backoff alone reads break-evens at a few batch sizes, with steadier figures: the
+        # graphs of powers of two (each stands for the sizes up to it), the forward without
+        # graphs for one request.
+        sizes = _counts(min(config.scheduler.max_num_seqs, MAX_PROFILED_REQUESTS))
+        backoff_only = {"warmup": 2, "repeats": 7, "graph_sizes": sizes}
         cost = profile_costs(
             runner,
             proposer,
             num_speculative_tokens=spec.num_speculative_tokens,
-            # The backoff needs one request's costs only, and steadier figures.
             max_num_seqs=config.scheduler.max_num_seqs if spec.adaptive_verification else 1,
             block_size=config.cache.block_size,
             hidden_size=hidden_size,
             vocab_size=vocab_size,
             device=device,
             dtype=dtype,
-            **({} if spec.adaptive_verification else {"warmup": 2, "repeats": 7}),
+            **({} if spec.adaptive_verification else backoff_only),
         )
     adaptive = backoff = None
     if spec.adaptive_verification:
@@ -434,12 +459,20 @@ def build_speculation(
         )
     if backs_off:
         k = spec.num_speculative_tokens
-        break_even = break_even_length(cost, k)
-        look = break_even_length(cost, DraftBackoff.LOOK_DRAFTS)
+        # Break-evens are read where steps were timed: the profiled graphs' sizes, or one
+        # request where no graph runs (a forward's time beyond the timed token counts is a
+        # guess); a larger batch takes the largest size's.
+        sizes = cost.graph_sizes or [1]
+
+        def break_even(num_requests: int, num_drafts: int) -> float:
+            return break_even_length(cost, min(num_requests, sizes[-1]), num_drafts)
+
+        backoff = DraftBackoff(break_even, k)
         logger.info(
-            "drafting pays from an acceptance length of %.2f (a look: %.2f)", break_even, look
+            "drafting pays from an acceptance length of %s (a look: %s) at batch %s",
+            *([round(break_even(n, d), 2) for n in sizes] for d in (k, LOOK_DRAFTS)),
+            sizes,
         )
-        backoff = DraftBackoff(break_even, look, k)
     return Speculation(
         proposer,
         adaptive,
@@ -476,13 +509,21 @@ def profile_costs(
     dtype: torch.dtype,
     warmup: int = 1,
     repeats: int = 3,
+    graph_sizes: Sequence[int] | None = None,
 ) -> CostModel:
-    """Start-up cost tables: the target forward over n tokens, each captured graph of up to
-    MAX_PROFILED_REQUESTS requests (replay and logits), the proposer over r requests."""
+    """Start-up cost tables: the target forward over n tokens (up to max_num_seqs requests'
+    verifications), each captured graph of up to max_num_seqs requests (replay and logits), the
+    proposer over r requests (as many as either), all up to MAX_PROFILED_REQUESTS requests.
+    `graph_sizes`, when given, are the graph sizes timed instead (those captured among them)."""
     k = num_speculative_tokens
-    max_requests = min(max_num_seqs, MAX_PROFILED_REQUESTS)
+    max_tokens = min(max_num_seqs, MAX_PROFILED_REQUESTS) * (1 + k)
+    captured = [(n, q) for n, q in runner.graph_shapes() if n <= MAX_PROFILED_REQUESTS]
+    if graph_sizes is None:
+        graph_shapes = [(n, q) for n, q in captured if n <= max_num_seqs]
+    else:
+        graph_shapes = [(n, q) for n, q in captured if n in graph_sizes]
+    max_requests = max([min(max_num_seqs, MAX_PROFILED_REQUESTS)] + [n for n, _ in graph_shapes])
     forward = runner.forward
-    max_tokens = max_requests * (1 + k)
     context = list(range(1, 17))  # stand-in prompt; ids past the vocabulary are never drawn
     context = [t % vocab_size for t in context]
 
@@ -525,7 +566,7 @@ def profile_costs(
             _counts(max_requests),
             _counts(max_tokens),
             graph_step=runner.verify_on_graph,
-            graph_shapes=[(n, q) for n, q in runner.graph_shapes() if n <= max_requests],
+            graph_shapes=graph_shapes,
             warmup=warmup,
             repeats=repeats,
             synchronize=sync,

@@ -129,6 +129,11 @@ def build_proposer(
     )
 
 
+# The drafts of a look: the draft backoff's probe of a request whose drafts did not pay
+# (libkk/engine/speculation.py, DraftBackoff).
+LOOK_DRAFTS = 1
+
+
 @dataclass(frozen=True)
 class RunnerSpeculation:
     """What the target's model runner needs to verify a proposer's drafts (the defaults: no
@@ -149,14 +154,18 @@ def runner_speculation(config: EngineConfig, proposer: Proposer | None) -> Runne
         return RunnerSpeculation()
     spec = config.speculative
     synthetic = spec.rejection_sample_method == "synthetic"
+    # The backoff runs in one process only (engine/speculation.py, build_speculation).
+    backs_off = spec.draft_backoff and config.parallel.tensor_parallel_size == 1
+    looks = {1 + LOOK_DRAFTS} if backs_off else set()
     return RunnerSpeculation(
         aux_layers=tuple(proposer.target_layer_ids),
         # Verification batches (up to 1 + K tokens per request) replay graphs too; adaptive
-        # verification shortens them, so every length gets a graph.
+        # verification shortens them, so every length gets a graph; the draft backoff's looks
+        # verify LOOK_DRAFTS (a batch of looks would pad to 1 + K otherwise).
         query_lens=(
             tuple(range(1, 2 + spec.num_speculative_tokens))
             if spec.adaptive_verification
-            else (1, 1 + spec.num_speculative_tokens)
+            else tuple(sorted({1, 1 + spec.num_speculative_tokens} | looks))
         ),
         middle_lens_max_size=MAX_PROFILED_REQUESTS,
         synthetic_rates=spec.synthetic_acceptance_rates if synthetic else None,

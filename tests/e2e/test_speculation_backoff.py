@@ -5,6 +5,7 @@ share of their steps, and greedy output stays the plain output."""
 from __future__ import annotations
 
 from libkk import SamplingParams, Session
+from libkk.engine.speculation import DraftBackoff
 
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 PROMPTS = ["def fib(n):", "Once upon a time"]
@@ -14,9 +15,11 @@ def _run(backoff: bool) -> tuple[list[list[int]], dict]:
     spec = {"method": "dflash", "draft_backoff": backoff}
     with Session(max_model_len=256, speculative=spec, progress=False) as s:
         if backoff:
-            steady = s.engine.speculation.backoff  # break-evens steady, whatever the timing
-            assert steady is not None
-            steady.break_even, steady.look_break_even = 2.0, 1.5
+            timed = s.engine.speculation.backoff
+            assert timed is not None
+            s.engine.speculation.backoff = DraftBackoff(  # steady, whatever the timing
+                lambda n, d: 1.5 if d == DraftBackoff.LOOK_DRAFTS else 2.0, timed.num_drafts
+            )
         outs = s.generate(PROMPTS, PARAMS)
         return [o.token_ids for o in outs], s.stats()
 

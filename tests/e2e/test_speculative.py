@@ -9,6 +9,7 @@ import torch
 from e2e_prompts import PROMPTS
 
 from libkk import SamplingParams, Session
+from libkk.engine.speculation import DraftBackoff
 from libkk.errors import ConfigError
 from tests.checkpoints import save_with_tokenizer_of, tiny_llama_config
 
@@ -435,8 +436,9 @@ def test_async_scheduling_runs_ahead_of_paused_requests(tiny_llama_dir, small_dr
     for async_scheduling in (False, True):
         with Session(str(tiny_llama_dir), enable_prefix_caching=False, progress=False,
                      async_scheduling=async_scheduling, **spec) as s:  # fmt: skip
-            backoff = s.engine.speculation.backoff
-            backoff.break_even, backoff.look_break_even = 2.0, 1.5  # steady, whatever the timing
+            s.engine.speculation.backoff = DraftBackoff(  # steady, whatever the timing
+                lambda n, d: 1.5 if d == DraftBackoff.LOOK_DRAFTS else 2.0, 3
+            )
             scheduled = []
             schedule = s.engine.scheduler.schedule
 
