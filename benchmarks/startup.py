@@ -15,6 +15,7 @@ with it set nothing would fill that cache.
 
     python benchmarks/startup.py [--model PATH] [--device auto|cpu|cuda] [--repeats 3] [--out FILE]
         [--warm-repeats 1] [--only-libkk] [--no-compile] [--cudagraph-mode MODE]
+        [--capture startup|lazy]
 
 The last line printed is a JSON object of each case's median (`warm_s`, `cold_s`, ...), the
 figure `benchmarks/ab.py --metric warm_s` reads to compare two trees' warm starts.
@@ -132,6 +133,12 @@ def main() -> None:
     ap.add_argument(
         "--cudagraph-mode", default=None, help="libkk's cudagraph_mode (default: its own)"
     )
+    ap.add_argument(
+        "--capture",
+        choices=["startup", "lazy"],
+        default=None,
+        help="libkk's cudagraph_capture (default: its own)",
+    )
     args = ap.parse_args()
 
     from libkk.models.default import default_model_path
@@ -158,7 +165,8 @@ def main() -> None:
         prompt=prompt,
         explain=args.explain,
         settings={"torch_compile": COMPILE[args.compile]}
-        | ({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}),
+        | ({"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {})
+        | ({"cudagraph_capture": args.capture} if args.capture else {}),
     )
     hf_code = HF_CHILD.format(model=hf_model, device=args.device, prompt=prompt)
     hf_env = bytecode_cached_env(HF_HUB_OFFLINE="1")

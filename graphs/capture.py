@@ -13,6 +13,9 @@ the smallest capture size >= n (a precomputed table), replayed from static input
   seeing them, so they are exact, and only the real rows are returned.
 All graphs share one memory pool and are captured largest first, so smaller ones reuse the larger
 ones' memory; the static buffers and each graph's output stay referenced for the graphs' life.
+A lazy capture (`capture(lazy=True)`) captures the largest graph only, which sets the pool's size,
+and each other graph the first time a batch needs it, over padding inputs as at start-up, before
+the batch's inputs are staged.
 
 Under tensor parallelism each graph holds the forward's NCCL collectives, so every rank must
 capture the same graphs in the same order (NCCL requires a captured collective to be captured on
@@ -111,6 +114,14 @@ class DecodeGraphs:
             self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
             self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
             self.block_table = torch.zeros(g, n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # The (q, size) graphs to capture, largest first: smaller graphs reuse its memory.
+        self.planned = [
+            (q, size)
+            for q in reversed(self.query_lens)
+            for size in reversed(self.sizes)
+            if self._captures(q, size)
+        ]
+        self.planned.sort(key=lambda k: -k[0] * k[1])
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.stashed: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -139,43 +150,48 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self, progress: bool = True) -> None:
+    def capture(self, progress: bool = True, lazy: bool = False) -> None:
+        """Captures the planned graphs (lazy: the largest alone; `run` captures the others)."""
         self.pool = torch.cuda.graph_pool_handle()
-        keys = [
-            (q, size)
-            for q in reversed(self.query_lens)
-            for size in reversed(self.sizes)
-            if self._captures(q, size)
-        ]
-        keys.sort(key=lambda k: -k[0] * k[1])  # largest first: smaller graphs reuse its memory
+        keys = self.planned[:1] if lazy else self.planned
         lockstep(f"decode graph plan (q, size): {keys}")
         bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
         for i, (q, size) in enumerate(bar):
-            self._layout(q)
-            with set_forward_context(self._metadata(q, size), self.model):
-                # The first graph's two warm-ups compile the forward, if compiled (torch.compile
-                # is lazy), and make the one-time state (cuBLAS workspaces, allocator blocks,
-                # loaded kernels). Later graphs capture straight away (their own kernel variants
-                # load during capture), unless an op needs a run outside capture first.
-                try:
-                    self._capture_one(q, size, warm_ups=2 if i == 0 else 0)
-                except NeedsWarmUp:
-                    self._capture_one(q, size, warm_ups=1)
+            # The first graph's two warm-ups compile the forward, if compiled (torch.compile is
+            # lazy), and make the one-time state (cuBLAS workspaces, allocator blocks, loaded
+            # kernels). Later graphs capture straight away (their own kernel variants load
+            # during capture), unless an op needs a run outside capture first.
+            self._capture_one(q, size, warm_ups=2 if i == 0 else 0)
         torch.cuda.synchronize()
+
+    def _ensure(self, q: int, size: int) -> None:
+        """Captures the (q, size) graph if it is not yet (a lazy capture), over padding inputs."""
+        if (q, size) not in self.graphs:
+            self._stage_padding(q, size)
+            self._capture_one(q, size, warm_ups=0)
 
     def _capture_one(self, q: int, size: int, warm_ups: int) -> None:
         ids, pos = self.input_ids[: size * q], self.positions[: size * q]
-        graph, output, stashed = _capture(
-            self.forward,
-            ids,
-            pos,
-            self.pool,
-            self.stash,
-            warm_ups,
-            f"decode graph q={q} size={size}",
-        )
-        self.outputs[q, size], self.stashed[q, size] = output, stashed
+        name = f"decode graph q={q} size={size}"
+        self._layout(q)
+        with set_forward_context(self._metadata(q, size), self.model):
+            try:
+                captured = _capture(self.forward, ids, pos, self.pool, self.stash, warm_ups, name)
+            except NeedsWarmUp:
+                captured = _capture(self.forward, ids, pos, self.pool, self.stash, 1, name)
+        graph, self.outputs[q, size], self.stashed[q, size] = captured
         self.graphs[q, size] = graph
+
+    def _stage_padding(self, q: int, size: int) -> None:
+        """The (q, size) graph's inputs as padding rows alone: token 0 at position 0, writing and
+        reading the null block."""
+        self._layout(q)
+        t = size * q
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.slot_mapping[:, :t].zero_()
+        self.seq_lens[:size].fill_(q)
+        self.block_table[:, :size].zero_()
 
     def _captures(self, q: int, size: int) -> bool:
         limit = self.middle_lens_max_size
@@ -194,7 +210,7 @@ class DecodeGraphs:
         n = metadata.num_reqs
         q = self.graph_query_len(metadata.max_query_len, n)
         if (
-            not self.graphs
+            self.pool is None  # not captured
             or q is None
             or n > self.max_size
             or metadata.block_table.shape[1] > self.block_table.shape[2]
@@ -218,6 +234,7 @@ class DecodeGraphs:
         q = self.graph_query_len(metadata.max_query_len, n)
         assert q is not None
         size = self.pad_to[n]
+        self._ensure(q, size)
         t = input_ids.shape[0]
         self._layout(q)
         rows: torch.Tensor | None = None  # the real rows' places in a ragged batch
@@ -261,13 +278,8 @@ class DecodeGraphs:
         """Replays the (q, size) graph on padding rows alone (token 0 at position 0, writing and
         reading the null block) and returns its output [size * q, hidden]: the graph's device
         work with no request touched, for cost profiles."""
-        self._layout(q)
-        t = size * q
-        self.input_ids[:t].zero_()
-        self.positions[:t].zero_()
-        self.slot_mapping[:, :t].zero_()
-        self.seq_lens[:size].fill_(q)
-        self.block_table[:, :size].zero_()
+        self._ensure(q, size)
+        self._stage_padding(q, size)
         self.graphs[q, size].replay()
         return self.outputs[q, size]
 
@@ -351,7 +363,7 @@ class MixedGraphs:
 
     def can_run(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         return (
-            bool(self.graphs)
+            self.pool is not None  # captured
             and 2 <= num_tokens <= self.max_size
             and self.pad_to[num_tokens] - num_tokens <= self.capacity  # one padding request
             and metadata.num_reqs <= self.max_num_seqs
@@ -385,24 +397,29 @@ class MixedGraphs:
         return size, self._metadata(size, starts, seq_lens)
 
     @torch.inference_mode()
-    def capture(self, progress: bool = True, pool: object | None = None) -> None:
-        """Captures every size, largest first, in `pool` (DecodeGraphs' pool: one for all)."""
+    def capture(
+        self, progress: bool = True, pool: object | None = None, lazy: bool = False
+    ) -> None:
+        """Captures every size, largest first, in `pool` (DecodeGraphs' pool: one for all); lazy:
+        the largest alone (`run` captures the others)."""
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        sizes = sorted(self.sizes, reverse=True)
+        sizes = sorted(self.sizes, reverse=True)[: 1 if lazy else None]
         lockstep(f"mixed graph plan (tokens): {sizes}")
         for i, size in enumerate(tqdm(sizes, desc="Capturing mixed-batch CUDA graphs",
                                       unit="graph", disable=not progress)):  # fmt: skip
-            metadata = self._padding_only(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
-            with set_forward_context(metadata, self.model):
-                name = f"mixed graph of {size} tokens"
-                try:  # warm-ups as DecodeGraphs: the first graph, or an op that asks
-                    captured = _capture(self.forward, ids, pos, self.pool, self.stash,
-                                        2 if i == 0 else 0, name)  # fmt: skip
-                except NeedsWarmUp:
-                    captured = _capture(self.forward, ids, pos, self.pool, self.stash, 1, name)
-            self.graphs[size], self.outputs[size], self.stashed[size] = captured
+            self._capture_one(size, warm_ups=2 if i == 0 else 0)
         torch.cuda.synchronize()
+
+    def _capture_one(self, size: int, warm_ups: int) -> None:
+        metadata = self._padding_only(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        name = f"mixed graph of {size} tokens"
+        with set_forward_context(metadata, self.model):
+            try:  # warm-ups as DecodeGraphs: the first graph, or an op that asks
+                captured = _capture(self.forward, ids, pos, self.pool, self.stash, warm_ups, name)
+            except NeedsWarmUp:
+                captured = _capture(self.forward, ids, pos, self.pool, self.stash, 1, name)
+        self.graphs[size], self.outputs[size], self.stashed[size] = captured
 
     def _padding_only(self, size: int) -> AttentionMetadata:
         """Lays out a capture: the graph's tokens as padding requests in the null block, each as
@@ -425,6 +442,8 @@ class MixedGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [num_tokens, hidden], the stash's rows or None) of the replayed graph."""
         t = input_ids.shape[0]
+        if self.pad_to[t] not in self.graphs:  # a lazy capture: before the batch is staged
+            self._capture_one(self.pad_to[t], warm_ups=0)
         size, _ = self.stage(input_ids, positions, metadata)
         self.graphs[size].replay()
         stashed = self.stashed[size]

@@ -132,6 +132,13 @@ class CompilationConfig(msgspec.Struct, **_STRUCT):
     ] = "FULL"
     # Batch sizes to capture; None: 1, 2, 4, then every 8 up to 256 (capped at max_num_seqs).
     cudagraph_capture_sizes: list[PositiveInt] | None = None
+    # When FULL graphs are captured. "startup": every one as the session starts (each step as
+    # fast as it will be from the first). "lazy": the largest of each kind at start-up (the
+    # graphs' memory pool reaches its size then), each other one the first time a step needs it,
+    # which that step waits for (tens of ms for an 8B model): most of the capture leaves the
+    # start. Lazy needs one process and an uncompiled forward; elsewhere every graph is captured
+    # at start-up.
+    cudagraph_capture: Literal["startup", "lazy"] = "startup"
     # On CUDA, compile the model forward with torch.compile (Inductor fuses the torch ops left
     # between libkk's kernels). "auto": compiled unless the model family runs libkk kernels
     # alone on CUDA (its class's `fused_on_cuda`), where compiling buys nothing in decode or
@@ -185,8 +192,8 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     # profiled at start-up (libkk/engine/speculation.py); the output is unchanged.
     adaptive_verification: bool = False
     # Stop drafting for a request while its drafts do not pay: the acceptance length its
-    # estimated per-draft rate gives below what a drafting step costs over a plain one (timed at
-    # start-up), looking again (one draft) after a pause sized to keep looks at 1% of its
+    # estimated per-draft rate gives below what a drafting step costs over a plain one of the
+    # same batch size (timed at start-up), looking again (one draft) after a pause sized to keep looks at 1% of its
     # tokens and at least doubling (engine/speculation.py, DraftBackoff).
     # Greedy output is unchanged; one process only (ignored with tensor parallelism).
     draft_backoff: bool = True

@@ -133,9 +133,10 @@ class ModelRunner:
         return self.step_backends.decode_graphs
 
     def graph_shapes(self) -> list[tuple[int, int]]:
-        """(size, query length) of every captured decode/verification graph."""
+        """(size, query length) of every decode/verification graph (captured at start-up, or
+        when first needed under a lazy capture)."""
         graphs = self.graphs
-        return [(size, q) for q, size in graphs.graphs] if graphs is not None else []
+        return [(size, q) for q, size in graphs.planned] if graphs is not None else []
 
     @torch.inference_mode()
     def verify_on_graph(self, size: int, q: int) -> None:

@@ -242,7 +242,9 @@ class StepBackends:
         mixed = self._mixed_graphs(decode) if mode == "FULL" else None
         start = time.perf_counter()
         if not self.compiled:
-            self._capture_full(decode, mixed, progress)
+            # Lazy: the ranks of a tensor-parallel group would have to meet at each capture.
+            lazy = self.compilation.cudagraph_capture == "lazy" and get_tp_size() == 1
+            self._capture_full(decode, mixed, progress, lazy)
             self.startup_seconds["capture CUDA graphs"] = time.perf_counter() - start
         else:
             # Capturing runs the compiled forward, so it compiles the one graph every step
@@ -306,14 +308,15 @@ class StepBackends:
 
     @staticmethod
     def _capture_full(
-        decode: DecodeGraphs | None, mixed: MixedGraphs | None, progress: bool
+        decode: DecodeGraphs | None, mixed: MixedGraphs | None, progress: bool, lazy: bool = False
     ) -> None:
-        """The decode graphs, then (mode "FULL") the mixed-batch graphs in the same pool."""
+        """The decode graphs, then (mode "FULL") the mixed-batch graphs in the same pool (lazy:
+        the largest of each; steps capture the others)."""
         if decode is not None:
-            decode.capture(progress=progress)
+            decode.capture(progress=progress, lazy=lazy)
         if mixed is not None:
             assert decode is not None
-            mixed.capture(progress=progress, pool=decode.pool)
+            mixed.capture(progress=progress, pool=decode.pool, lazy=lazy)
 
     @torch.inference_mode()  # as steps run: dynamo guards on the grad mode
     def _capture_pieces(self, piecewise: PiecewiseBackend, progress: bool) -> None:

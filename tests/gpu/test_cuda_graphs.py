@@ -81,6 +81,33 @@ def test_graph_replay_equals_eager(tiny_qwen3_dir, batch):
     assert graphed == eager
 
 
+def test_lazily_captured_graphs_equal_eager(tiny_qwen3_dir):
+    """cudagraph_capture="lazy": the largest decode and mixed graphs at start-up, the others as
+    steps first need them (mid-run, with other requests' KV in the cache and an async step in
+    flight); asynchronous scheduling, chunked prefill and a batch that shrinks as requests end
+    reach many sizes. Greedy tokens equal eager, and graphs were captured after start-up."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 2048, (int(n),), generator=g).tolist() for n in (5, 77, 160, 33)]
+    eager = _generate(tiny_qwen3_dir, prompts, "NONE", max_num_batched_tokens=48)
+    from libkk import SamplingParams, Session
+
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 25, 33, 12)
+    ]
+    with Session(
+        str(tiny_qwen3_dir), device="cuda", dtype="float32", max_num_seqs=16, max_model_len=512,
+        max_num_batched_tokens=48, cudagraph_mode="FULL", cudagraph_capture="lazy",
+        torch_compile=False, progress=False,
+    ) as s:  # fmt: skip
+        backends = s.engine.runner.step_backends
+        decode, mixed = backends.decode_graphs, backends.mixed_graphs
+        assert len(decode.graphs) == 1 and len(mixed.graphs) == 1  # the largest of each
+        outs = [o.token_ids for o in s.generate(prompts, params)]
+        assert len(decode.graphs) > 1 and len(mixed.graphs) > 1
+    assert outs == [e[: len(o)] for e, o in zip(eager, outs, strict=True)]
+    assert [len(o) for o in outs] == [40, 25, 33, 12]
+
+
 def test_compiled_graphs_equal_eager(tiny_qwen3_dir):
     """torch.compile (split at attention) + graphs vs plain eager: fp32, so the fused norms and
     rotary round differently only in the last bits; greedy tokens must still agree."""

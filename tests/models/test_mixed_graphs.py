@@ -120,7 +120,7 @@ def test_capture_layout_keeps_each_request_within_a_block_table_row(tiny_qwen3_d
             model.forward(graphs.input_ids[:8], graphs.positions[:8])
     for cache, old in zip(kv.caches, before, strict=True):
         torch.testing.assert_close(cache[:, 1:], old[:, 1:], rtol=0, atol=0, equal_nan=True)
-    graphs.graphs[2] = graphs.graphs[8] = None  # as if captured
+    graphs.pool = object()  # as if captured
     _, _, three = build_attn_metadata([([5, 6, 7], 0)], [[3]], BLOCK)
     assert not graphs.can_run(three, 3)  # padded to 8: 5 padding tokens, more than a row
     _, _, five = build_attn_metadata([([5, 6, 7], 0), ([8, 9], 0)], [[3], [5]], BLOCK)
