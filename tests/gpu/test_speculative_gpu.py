@@ -121,6 +121,28 @@ def test_seeded_speculation_batch_invariant_on_cuda(dirs):
     assert alone == together[:4]
 
 
+def test_backoff_times_its_break_evens_at_batch_sizes_and_graphs_cover_looks(dirs):
+    """The draft backoff (adaptive verification off): graphs for 1, 2 (a look) and 1 + K tokens a
+    request; their replays timed at the powers of two up to max_num_seqs; a break-even per batch
+    size, never below 1, read from the largest timed size beyond it. Greedy output is plain."""
+    from libkk import SamplingParams, Session
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(dirs["cyclic"], params)
+    with Session(
+        str(dirs["cyclic"]), device="cuda", dtype="float32", max_num_seqs=16, max_model_len=512,
+        torch_compile=False, progress=False, method="ngram", num_speculative_tokens=4,
+    ) as s:  # fmt: skip
+        backoff = s.engine.speculation.backoff
+        assert backoff is not None and s.engine.speculation.adaptive is None
+        assert sorted({q for _, q in s.engine.runner.graph_shapes()}) == [1, 2, 5]
+        for n in (1, 2, 3, 16, 40):
+            assert backoff.break_even(n, 4) >= 1.0 and backoff.break_even(n, 1) >= 1.0
+        assert backoff.break_even(40, 4) == backoff.break_even(16, 4)
+        outs = [o.token_ids for o in s.generate(_prompts(), params)]
+    assert outs == plain
+
+
 def test_adaptive_verification_graphs_and_their_costs(dirs):
     """With adaptive verification every verification length 1 .. 1 + K has graphs, each graph's
     cost is profiled at start-up, and replaying a graph on padding rows (the profile) between
