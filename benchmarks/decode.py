@@ -375,6 +375,7 @@ def bench_libkk(
     async_scheduling: bool | str = "auto",
     torch_compile: bool | str = "auto",
     capture_sizes: list[int] | None = None,
+    capture: str = "startup",
 ) -> dict:
     from libkk import SamplingParams, Session
 
@@ -388,6 +389,7 @@ def bench_libkk(
         async_scheduling=async_scheduling,
         torch_compile=torch_compile,
         cudagraph_capture_sizes=capture_sizes,
+        cudagraph_capture=capture,
         progress=False,
     ) as s:
         ids = prompts(batch, prompt, s.engine.arch.vocab_size)
@@ -483,6 +485,12 @@ def main() -> None:
         help="cudagraph_capture_sizes (default: libkk's); sizes above 256 graph prefill-sized "
         "mixed steps",
     )
+    ap.add_argument(
+        "--capture",
+        choices=["startup", "lazy"],
+        default="startup",
+        help="cudagraph_capture (lazy: the warm-up run captures what the timed runs replay)",
+    )
     args = ap.parse_args()
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
@@ -510,6 +518,7 @@ def main() -> None:
             SCHEDULING[args.scheduling],
             COMPILE[args.compile],
             args.capture_sizes,
+            args.capture,
         )
         ctx = args.prompt + args.tokens // 2
         floor_ms = step_bytes(cfg, kk["weights_bytes"], args.experts, batch, ctx) / bandwidth * 1e3
