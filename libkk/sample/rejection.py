@@ -5,7 +5,14 @@ verified against the target's K + 1 rows of logits:
 
 - greedy rows (temperature 0) accept d_k while argmax(target_k) == d_k, then emit the target
   argmax at the first mismatch, or at index n (the bonus token) when every draft is accepted;
-- random rows accept d_k when p_k(d_k) / q_k(d_k) >= u_k, in log space
+- random rows with a one-hot draft (q_k(d_k) = 1: n-gram and greedy drafters) accept d_k when it
+  is the token the plain sampler draws at its position, the Gumbel argmax of p_k under that
+  position's keyed noise, and emit that draw at the first rejection: d_k passes with probability
+  p_k(d_k), as the ratio test would, and a rejected draw is a sample of p_k without d_k, which
+  is the residual max(p - q, 0) normalized. Every token is then the plain sampler's own: a
+  seeded request gives the same tokens with or without speculation, however many drafts each
+  step verifies;
+- other random rows accept d_k when p_k(d_k) / q_k(d_k) >= u_k, in log space
   log p(d) >= log u + log q(d), stop at the first rejection and sample from the residual
   max(p - q, 0) (normalized), or sample a bonus token from p_n when every draft is accepted.
 
@@ -13,8 +20,9 @@ All randomness is keyed by (seed, position, token id) (libkk.sample.gumbel), so 
 never depends on the rest of the batch:
 
 - the acceptance uniform of d_k is keyed_uniform_at(seed, pos + k + ACCEPT_POSITION_SALT, d_k);
-- residual and bonus tokens use the target's own Gumbel noise at their position (no salt), so a
-  bonus token is exactly the token the plain sampler would draw from the same logits;
+- one-hot draws, residual and bonus tokens use the target's own Gumbel noise at their position
+  (no salt), so a bonus token is exactly the token the plain sampler would draw from the same
+  logits;
 - drafters sample with DRAFT_POSITION_SALT, so the three streams never share noise.
 
 p = softmax(target_logits / T): callers apply penalties and top-k / top-p / min-p to the logits
@@ -87,32 +95,40 @@ def rejection_sample(
     target_argmax = target_logits.argmax(dim=-1)  # [R, K+1]; ties to the lowest id
     accept_greedy = target_argmax[:, :k] == drafts  # [R, K]
 
-    # Random acceptance: log p(d) >= log u + log q(d).
+    # Random acceptance: a one-hot draft is the plain sampler's draw; others log p(d) >= log u +
+    # log q(d).
     p_d = target_lp[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [R, K]
     if draft_probs is None:
         q_d = torch.zeros_like(p_d)  # log 1
     else:
         q_d = draft_probs.float().gather(-1, drafts[..., None]).squeeze(-1).log()  # [R, K]
-    accept_random = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
+    one_hot = q_d == 0  # [R, K]
+    # The plain sampler's draw at every position: [R, K+1]
+    draws = gumbel_argmax(
+        scaled.reshape(num_rows * k1, vocab_size),
+        seeds.repeat_interleave(k1),
+        (positions[:, None] + steps[None, :]).reshape(-1),
+    ).view(num_rows, k1)
+    accept_random = torch.where(
+        one_hot, draws[:, :k] == drafts, random_accepts(p_d, q_d, seeds, positions, drafts)
+    )  # [R, K]
 
     accept = torch.where(greedy[:, None], accept_greedy, accept_random)  # [R, K]
     num_accepted = accepted_prefix(accept, num_draft)  # [R]
 
-    # The token after the accepted prefix: a residual sample at a rejection, else the bonus.
+    # The token after the accepted prefix: the draw at j (a bonus, or a one-hot draft's
+    # rejection), or a residual sample at the rejection of a drawn draft.
     rows = torch.arange(num_rows, device=device)
     j = num_accepted  # [R], index into K+1
-    rejected = j < num_draft  # [R]
-    final_logits = scaled[rows, j]  # [R, V]; the bonus samples from p itself
+    resample = (j < num_draft) & ~greedy  # [R]
+    if k > 0:
+        resample &= ~one_hot[rows, j.clamp(max=k - 1)]
+    sampled = draws[rows, j]  # [R]
     # On a GPU the residual is computed whether or not a row needs it: asking would wait for the
     # device (and stall the next step's host work under asynchronous scheduling).
-    if k > 0 and (target_logits.is_cuda or bool((rejected & ~greedy).any())):
+    if draft_probs is not None and (target_logits.is_cuda or bool(resample.any())):
         t_lp = target_lp[rows, j]  # [R, V]
-        jd = j.clamp(max=k - 1)
-        if draft_probs is None:
-            d_lp = torch.full_like(t_lp, -math.inf)
-            d_lp[rows, drafts[rows, jd]] = 0.0
-        else:
-            d_lp = draft_probs[rows, jd].float().log()  # [R, V]
+        d_lp = draft_probs[rows, j.clamp(max=k - 1)].float().log()  # [R, V]
         # log max(p - q, 0) up to normalization; Gumbel-max needs no normalization.
         residual = torch.where(
             d_lp < t_lp, t_lp + torch.log1p(-torch.exp(d_lp - t_lp)), -math.inf
@@ -121,8 +137,8 @@ def rejection_sample(
         # rounding (p ~= q); sample from p then.
         empty = residual.amax(dim=-1) == -math.inf
         residual = torch.where(empty[:, None], t_lp, residual)
-        final_logits = torch.where(rejected[:, None], residual, final_logits)
-    sampled = gumbel_argmax(final_logits, seeds, positions + j)  # [R]
+        residual_draw = gumbel_argmax(residual, seeds, positions + j)  # [R]
+        sampled = torch.where(resample, residual_draw, sampled)
     final = torch.where(greedy, target_argmax[rows, j], sampled)  # [R]
 
     return accepted_output(draft_token_ids, num_accepted, final), num_accepted

@@ -20,13 +20,16 @@ V, and the estimator's feature logit(q_max) = -log(that rest) comes for free.
 
 Verification (`vocab_parallel_rejection_sample`), two gathers:
 1. per shard and position, (max z, rest sum-exp, max raw logit, its id, z of the draft token
-   if the shard owns it): combined into the target's log-sum-exp, log p(d) = z_d - lse and the
-   greedy argmax; acceptance then runs on [R, K] values exactly as in rejection_sample.
+   if the shard owns it, and the noisy max of z with the target-stream noise at that position
+   and its id): combined into the target's log-sum-exp, log p(d) = z_d - lse, the greedy
+   argmax and the plain sampler's draw (a one-hot draft is accepted when it is that draw);
+   acceptance then runs on [R, K] values exactly as in rejection_sample.
 2. at each row's first rejection j, each shard forms the residual log max(p - q, 0) of its slice
-   (q from the draft shard's logits and the draft log-sum-exp), or z for a bonus token, and
-   Gumbel-samples it with the target-stream noise at position + j; the shard winners are merged
-   the same way. Each shard also reports whether its residual is empty and its sample from p, so
-   that the rare "empty residual" fallback of the full path needs no third round.
+   (q from the draft shard's logits and the draft log-sum-exp) where a drawn draft was rejected,
+   or z (a bonus token, a one-hot draft's rejection), and Gumbel-samples it with the
+   target-stream noise at position + j; the shard winners are merged the same way. Each shard
+   also reports whether its residual is empty and its sample from p, so that the rare "empty
+   residual" fallback of the full path needs no third round.
 
 Everything is written against `gather`: a callable taking the list of the per-shard tensors this
 process computed and returning them stacked over *all* shards in vocab order, [S, ...]. In one
@@ -80,7 +83,8 @@ Gather = Callable[[list[Tensor]], Tensor]
 
 # Per-shard summary layouts (float64, so fp32 values and int64 token ids travel exactly).
 DRAFT_STATS = 5  # noisy max, token id, raw logit of that token, row max of z, rest sum-exp
-VERIFY_STATS = 5  # row max of z, rest sum-exp, raw max, raw argmax id, z of the draft token
+# row max of z, rest sum-exp, raw max, raw argmax id, z of the draft token, noisy max of z, its id
+VERIFY_STATS = 7
 FINAL_STATS = 5  # noisy max, token id, max before noise, fallback noisy max, fallback id
 
 _CPU_BLOCK_ELEMS = 1 << 20
@@ -318,6 +322,7 @@ class VerifyPlan:
 
     num_accepted: Tensor  # [R] int64
     rejected: Tensor  # [R] bool: a draft was rejected (else the last token is a bonus)
+    resample: Tensor  # [R] bool: a drawn draft was rejected: the last token is the residual's
     greedy: Tensor  # [R] bool
     lse: Tensor  # [R, K+1] fp32 the target's log-sum-exp of z
     target_argmax: Tensor  # [R, K+1] int64 of the raw target logits
@@ -330,10 +335,13 @@ def verify_shard_stats(
     draft_token_ids: Tensor,
     temperatures: Tensor,
     num_draft: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
 ) -> Tensor:
     """One shard's summary of the target rows.  # [R, K+1, VERIFY_STATS] float64
 
-    target_logits: [R, K+1, Vs] raw target logits of this shard's token ids.
+    target_logits: [R, K+1, Vs] raw target logits of this shard's token ids; positions: of the
+    first draft.
     """
     num_rows, k1, size = target_logits.shape
     k = k1 - 1
@@ -351,7 +359,16 @@ def verify_shard_stats(
     z_draft = z[:, :k].gather(-1, local.clamp(0, size - 1)[..., None])[..., 0]  # [R, K]
     z_draft = torch.where(owned, z_draft, -math.inf)
     z_draft = torch.cat([z_draft, torch.full_like(z_draft[:, :1], -math.inf)], dim=1)  # [R, K+1]
-    return torch.stack([row_max, rest, raw_max, raw_arg.float(), z_draft], dim=-1).double()
+    steps = torch.arange(k1, device=z.device)
+    ((noisy, noisy_arg),) = _noisy_argmax(
+        [z.reshape(num_rows * k1, size)],
+        vocab_start,
+        seeds.repeat_interleave(k1),
+        (positions[:, None] + steps[None, :]).reshape(-1),
+    )
+    noisy, noisy_arg = noisy.view(num_rows, k1), noisy_arg.view(num_rows, k1).float()
+    stats = [row_max, rest, raw_max, raw_arg.float(), z_draft, noisy, noisy_arg]
+    return torch.stack(stats, dim=-1).double()
 
 
 def combine_verify_stats(
@@ -367,7 +384,7 @@ def combine_verify_stats(
 
     draft_logprobs: [R, K] log q(d) (DraftSample.logprobs per slot), None for one-hot drafts.
     """
-    row_max, rest, raw_max, raw_arg, z_draft = stats.unbind(-1)  # [S, R, K+1]
+    row_max, rest, raw_max, raw_arg, z_draft, noisy, noisy_arg = stats.unbind(-1)  # [S, R, K+1]
     k = row_max.shape[2] - 1
     greedy = temperatures == 0
     valid = torch.arange(k, device=row_max.device)[None, :] < num_draft[:, None]  # [R, K]
@@ -377,12 +394,22 @@ def combine_verify_stats(
     accept_greedy = target_argmax[:, :k] == drafts
     p_d = z_draft.amax(dim=0)[:, :k].float() - lse[:, :k]  # [R, K]; one shard owns d
     q_d = torch.zeros_like(p_d) if draft_logprobs is None else draft_logprobs.float()
-    accept_random = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
+    one_hot = q_d == 0  # [R, K]
+    draws = _first_max(noisy, noisy_arg).long()  # [R, K+1] the plain sampler's draws
+    accept_random = torch.where(
+        one_hot, draws[:, :k] == drafts, random_accepts(p_d, q_d, seeds, positions, drafts)
+    )  # [R, K]
     accept = torch.where(greedy[:, None], accept_greedy, accept_random)
     num_accepted = accepted_prefix(accept, num_draft)  # [R]
+    rejected = num_accepted < num_draft
+    resample = rejected & ~greedy
+    if k > 0:
+        rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
+        resample &= ~one_hot[rows, num_accepted.clamp(max=k - 1)]
     return VerifyPlan(
         num_accepted=num_accepted,
-        rejected=num_accepted < num_draft,
+        rejected=rejected,
+        resample=resample,
         greedy=greedy,
         lse=lse,
         target_argmax=target_argmax,
@@ -402,8 +429,9 @@ def final_shard_stats(
 ) -> Tensor:
     """One shard's sample of the token after the accepted prefix.  # [R, FINAL_STATS] float64
 
-    Residual max(p - q, 0) at a rejection (random rows), the target's z for a bonus token; plus
-    a sample from p in case the residual turns out empty on every shard.
+    Residual max(p - q, 0) where a drawn draft was rejected, the target's z otherwise (a bonus
+    token, a one-hot draft's rejection: the plain sampler's draw); plus a sample from p in case
+    the residual turns out empty on every shard.
     draft_logits: [R, K, Vs] raw draft logits of this shard (None: one-hot drafts);
     draft_lse: [R, K] the draft's log-sum-exp per slot (DraftSample.lse), None for one-hot.
     """
@@ -430,7 +458,7 @@ def final_shard_stats(
         residual = torch.where(
             d_lp < t_lp, t_lp + torch.log1p(-torch.exp(d_lp - t_lp)), -math.inf
         )  # [R, Vs]
-        primary = torch.where((plan.rejected & ~plan.greedy)[:, None], residual, z_j)
+        primary = torch.where(plan.resample[:, None], residual, z_j)
     (n1, id1), (n2, id2) = _noisy_argmax([primary, t_lp], vocab_start, seeds, positions + j)
     return torch.stack([n1, id1.float(), primary.amax(dim=-1), n2, id2.float()], dim=-1).double()
 
@@ -440,7 +468,7 @@ def combine_final_stats(stats: Tensor, plan: VerifyPlan, draft_token_ids: Tensor
     n1, id1, pmax, n2, id2 = stats.unbind(-1)  # [S, R]
     rows = torch.arange(n1.shape[1], device=n1.device)
     j = plan.num_accepted
-    empty = (pmax.amax(dim=0) == -math.inf) & plan.rejected & ~plan.greedy
+    empty = (pmax.amax(dim=0) == -math.inf) & plan.resample
     sampled = torch.where(empty, _first_max(n2, id2), _first_max(n1, id1)).long()
     final = torch.where(plan.greedy, plan.target_argmax[rows, j], sampled)
     return accepted_output(draft_token_ids, j, final)
@@ -500,7 +528,7 @@ def vocab_parallel_rejection_sample(
             raise SpeculationInputError(f"{name} must be [{num_rows}, {k}], got {tuple(t.shape)}")
 
     local = [
-        verify_shard_stats(x, s, draft_token_ids, temperatures, num_draft)
+        verify_shard_stats(x, s, draft_token_ids, temperatures, num_draft, seeds, positions)
         for x, s in zip(target_shards, starts, strict=True)
     ]
     plan = combine_verify_stats(

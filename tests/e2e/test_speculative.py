@@ -1,6 +1,7 @@
 """Speculative decoding never changes what the target produces: greedy output with any proposer
 equals greedy output without, token for token, however requests are batched, chunked, preempted or
-stopped; seeded sampling with speculation is batch-invariant; bad settings fail clearly."""
+stopped; so does seeded sampling with one-hot drafts; seeded sampling with drawn drafts is
+batch-invariant; bad settings fail clearly."""
 
 from __future__ import annotations
 
@@ -261,6 +262,33 @@ def test_seeded_sampling_with_speculation_is_batch_invariant(
     if method == "draft_model":
         # Some drafts are accepted, some rejected: both paths of the rejection sampler ran.
         assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.parametrize(
+    "method,mix", [("ngram", "batch8"), ("ngram", "preempt"), ("draft_model", "chunked")]
+)
+def test_seeded_sampling_with_one_hot_drafts_gives_the_plain_tokens(
+    tiny_llama_dir, cyclic_llama_dir, method, mix
+):
+    """One-hot drafts (n-gram, a greedy draft model) are accepted exactly when they are the
+    plain sampler's draw: a seeded request gives the tokens it gives without speculation,
+    however many drafts each step verifies (the backoff on, preemption, chunked prefill)."""
+    path = cyclic_llama_dir if method == "ngram" else tiny_llama_dir
+    spec = dict(method=method, num_speculative_tokens=4)
+    if method == "draft_model":
+        # The target drafting for itself, greedily (one-hot q), every step.
+        spec |= dict(draft_model=str(tiny_llama_dir), draft_backoff=False)
+    # Temperatures at which both outcomes of the draw happen on these targets.
+    temperature = 2.0 if method == "ngram" else 0.5
+    params = SamplingParams(
+        max_tokens=14, temperature=temperature, top_k=50, seed=77, ignore_eos=True
+    )
+    prompts = PROMPTS[:6]
+    plain, _ = _run(path, prompts, params)
+    speculative, stats = _run(path, prompts, params, **spec, **MIXES[mix])
+    assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
+    # Drafts were verified, and both outcomes of the draw happened.
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
 
 def test_synthetic_rejection_accepts_at_configured_rates(cyclic_llama_dir, reference):

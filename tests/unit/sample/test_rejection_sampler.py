@@ -135,6 +135,48 @@ def test_one_hot_rejection_never_resamples_the_draft() -> None:
     assert (out[rejected, 1] == -1).all()
 
 
+def test_one_hot_drafts_emit_the_plain_samplers_draws() -> None:
+    """A one-hot draft is accepted exactly when it is the plain sampler's draw at its position
+    (keyed Gumbel argmax of the row), and the token after the accepted run is that position's
+    draw too: every emitted token is the plain sampler's, whichever drafts were proposed. Rows
+    with a drawn q (here mixed in) keep the ratio test."""
+    num_rows, k, vocab_size = 40, 4, 12
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(num_rows, k + 1, vocab_size, generator=g) * 1.5
+    seeds = torch.arange(num_rows, dtype=torch.int64) * 31 + 7
+    positions = torch.randint(0, 500, (num_rows,), generator=g)
+    steps = torch.arange(k + 1)
+    draws = gumbel_argmax(
+        logits.reshape(-1, vocab_size),
+        seeds.repeat_interleave(k + 1),
+        (positions[:, None] + steps).reshape(-1),
+    ).view(num_rows, k + 1)
+    # Drafts: the draws with one replaced at a random slot (or none), so every depth occurs.
+    drafts = draws[:, :k].clone()
+    wrong = torch.randint(0, k + 1, (num_rows,), generator=g)
+    for r in range(num_rows):
+        if wrong[r] < k:
+            drafts[r, wrong[r]] = (drafts[r, wrong[r]] + 1) % vocab_size
+    num_draft = torch.randint(0, k + 1, (num_rows,), generator=g)
+    out, acc = rejection_sample(
+        logits, drafts, None, torch.ones(num_rows), seeds, positions, num_draft
+    )
+    for r in range(num_rows):
+        n = int(acc[r])
+        assert n == min(int(wrong[r]), int(num_draft[r]))
+        assert out[r, : n + 1].tolist() == draws[r, : n + 1].tolist()
+    assert {int(a) for a in acc} == set(range(k + 1))
+    # A probabilistic q (not one-hot) for half the rows leaves the one-hot rows as they were.
+    q = torch.softmax(torch.randn(num_rows, k, vocab_size, generator=g), dim=-1)
+    one_hot = torch.zeros(num_rows, dtype=torch.bool)
+    one_hot[::2] = True
+    q[one_hot] = torch.nn.functional.one_hot(drafts[one_hot], vocab_size).float()
+    mixed, _ = rejection_sample(
+        logits, drafts, q, torch.ones(num_rows), seeds, positions, num_draft
+    )
+    assert torch.equal(mixed[one_hot], out[one_hot])
+
+
 def test_excluded_token_is_never_accepted() -> None:
     # The target filtered the drafted token out (-inf): rejected whatever q says.
     logits = torch.zeros(16, 2, 4)

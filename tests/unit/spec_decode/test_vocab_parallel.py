@@ -252,6 +252,7 @@ def test_empty_residual_falls_back_to_the_target_like_the_full_path() -> None:
     plan = VerifyPlan(
         num_accepted=torch.zeros(num_rows, dtype=torch.int64),
         rejected=torch.ones(num_rows, dtype=torch.bool),
+        resample=torch.ones(num_rows, dtype=torch.bool),  # drawn drafts
         greedy=torch.zeros(num_rows, dtype=torch.bool),
         lse=lse,
         target_argmax=target.argmax(dim=-1),
