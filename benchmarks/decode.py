@@ -464,6 +464,13 @@ def main() -> None:
     ap.add_argument("--out", default="decode.json")
     ap.add_argument("--profile", action="store_true", help="profile the first batch size")
     ap.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch without programmatic dependent launch (a kernel that waits for its "
+        "predecessor under PDL counts the wait as its own time: profiles attribute time "
+        "cleanly without it)",
+    )
+    ap.add_argument(
         "--scheduling",
         choices=sorted(SCHEDULING),
         default="auto",
@@ -492,6 +499,10 @@ def main() -> None:
         help="cudagraph_capture (lazy: the warm-up run captures what the timed runs replay)",
     )
     args = ap.parse_args()
+    if args.no_pdl:
+        from libkk.kernels import _jit
+
+        _jit._major = lambda index: 8  # as a pre-Hopper device: no PDL launch attribute
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
         ap.error(f"--experts {args.experts} needs an MoE shape, not {args.shape}")
