@@ -26,10 +26,16 @@ def _run(session: Session) -> list[list[int]]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_sessions_in_threads_equal_each_alone(tiny_qwen3_dir, tiny_moe_dirs):
+@pytest.mark.parametrize("capture", ["startup", "lazy"])
+def test_graph_sessions_in_threads_equal_each_alone(tiny_qwen3_dir, tiny_moe_dirs, capture):
+    """Lazy: uncompiled forwards whose graphs are captured as steps first need them, so the
+    sessions stepped from the threads (the last two never ran alone) capture while the others
+    run."""
     # Two models with no downloaded tokenizer (the GPU machine has none): dense and MoE.
     dirs = [tiny_qwen3_dir, tiny_moe_dirs["bf"], tiny_qwen3_dir, tiny_moe_dirs["bf"]]
     settings = dict(device="cuda", max_model_len=256, max_num_seqs=8, torch_compile=True)
+    if capture == "lazy":
+        settings |= dict(torch_compile=False, cudagraph_capture="lazy")
     sessions = [Session(str(d), progress=False, **settings) for d in dirs]
     try:
         alone = [_run(s) for s in sessions[:2]]
