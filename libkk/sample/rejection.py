@@ -103,15 +103,10 @@ def rejection_sample(
     else:
         q_d = draft_probs.float().gather(-1, drafts[..., None]).squeeze(-1).log()  # [R, K]
     one_hot = q_d == 0  # [R, K]
-    # The plain sampler's draw at every position: [R, K+1]
-    draws = gumbel_argmax(
-        scaled.reshape(num_rows * k1, vocab_size),
-        seeds.repeat_interleave(k1),
-        (positions[:, None] + steps[None, :]).reshape(-1),
-    ).view(num_rows, k1)
-    accept_random = torch.where(
-        one_hot, draws[:, :k] == drafts, random_accepts(p_d, q_d, seeds, positions, drafts)
-    )  # [R, K]
+    ratio = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
+    draws, accept_random = _plain_draws(
+        scaled, seeds, positions, drafts, num_draft, one_hot, ratio, greedy
+    )
 
     accept = torch.where(greedy[:, None], accept_greedy, accept_random)  # [R, K]
     num_accepted = accepted_prefix(accept, num_draft)  # [R]
@@ -142,6 +137,49 @@ def rejection_sample(
     final = torch.where(greedy, target_argmax[rows, j], sampled)  # [R]
 
     return accepted_output(draft_token_ids, num_accepted, final), num_accepted
+
+
+def _plain_draws(
+    scaled: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    drafts: Tensor,
+    num_draft: Tensor,
+    one_hot: Tensor,
+    ratio: Tensor,
+    greedy: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The plain sampler's draws of a block [R, K+1] (-1 where not drawn) and the random
+    acceptance [R, K]: a one-hot draft passes where it is the draw, another where it passes
+    the ratio test (`ratio`). Greedy rows read neither.
+
+    A full-vocabulary draw costs what plain decoding pays per token. On a GPU every position
+    is drawn at once (asking which positions a row reaches would wait for the device);
+    elsewhere only the positions a row reaches, in order, as plain decoding of the same tokens
+    would draw them. The draws used are the same either way."""
+    num_rows, k1, vocab_size = scaled.shape
+    k = k1 - 1
+    if scaled.is_cuda:
+        steps = torch.arange(k1, device=scaled.device)
+        draws = gumbel_argmax(
+            scaled.reshape(num_rows * k1, vocab_size),
+            seeds.repeat_interleave(k1),
+            (positions[:, None] + steps[None, :]).reshape(-1),
+        ).view(num_rows, k1)
+        return draws, torch.where(one_hot, draws[:, :k] == drafts, ratio)
+    draws = torch.full((num_rows, k1), -1, dtype=torch.int64, device=scaled.device)
+    accept = ratio.clone()
+    reached = ~greedy
+    for i in range(k1):
+        rows = reached.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            break
+        draws[rows, i] = gumbel_argmax(scaled[rows, i], seeds[rows], positions[rows] + i)
+        if i == k:
+            break
+        accept[:, i] = torch.where(one_hot[:, i], draws[:, i] == drafts[:, i], ratio[:, i])
+        reached &= accept[:, i] & (i < num_draft)
+    return draws, accept
 
 
 def acceptance_uniforms(seeds: Tensor, positions: Tensor, drafts: Tensor) -> Tensor:
