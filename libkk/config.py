@@ -193,8 +193,8 @@ class SpeculativeConfig(msgspec.Struct, **_STRUCT):
     adaptive_verification: bool = False
     # Stop drafting for a request while its drafts do not pay: the acceptance length its
     # estimated per-draft rate gives below what a drafting step costs over a plain one of the
-    # same batch size (timed at start-up), looking again (one draft) after a pause sized to keep looks at 1% of its
-    # tokens and at least doubling (engine/speculation.py, DraftBackoff).
+    # same batch size (timed at start-up), looking again (one draft) after a pause sized to keep
+    # looks at 1% of its tokens and at least doubling (engine/speculation.py, DraftBackoff).
     # Greedy output is unchanged; one process only (ignored with tensor parallelism).
     draft_backoff: bool = True
     # Tensor parallelism, DFlash: drafts (greedy and probabilistic) are drawn from each rank's

@@ -121,7 +121,7 @@ def rejection_sample(
     sampled = draws[rows, j]  # [R]
     # On a GPU the residual is computed whether or not a row needs it: asking would wait for the
     # device (and stall the next step's host work under asynchronous scheduling).
-    if draft_probs is not None and (target_logits.is_cuda or bool(resample.any())):
+    if k > 0 and draft_probs is not None and (target_logits.is_cuda or bool(resample.any())):
         t_lp = target_lp[rows, j]  # [R, V]
         d_lp = draft_probs[rows, j.clamp(max=k - 1)].float().log()  # [R, V]
         # log max(p - q, 0) up to normalization; Gumbel-max needs no normalization.
