@@ -434,8 +434,8 @@ def build_speculation(
         # The backoff alone reads break-evens at a few batch sizes, with steadier figures: the
         # graphs of powers of two (each stands for the sizes up to it), the forward without
         # graphs for one request.
-        sizes = _counts(min(config.scheduler.max_num_seqs, MAX_PROFILED_REQUESTS))
-        backoff_only = {"warmup": 2, "repeats": 7, "graph_sizes": sizes}
+        powers = _counts(min(config.scheduler.max_num_seqs, MAX_PROFILED_REQUESTS))
+        backoff_only = {"warmup": 2, "repeats": 7, "graph_sizes": powers}
         cost = profile_costs(
             runner,
             proposer,

@@ -115,9 +115,7 @@ def rejection_sample(
     # rejection), or a residual sample at the rejection of a drawn draft.
     rows = torch.arange(num_rows, device=device)
     j = num_accepted  # [R], index into K+1
-    resample = (j < num_draft) & ~greedy  # [R]
-    if k > 0:
-        resample &= ~one_hot[rows, j.clamp(max=k - 1)]
+    resample = resampled_rows(num_accepted, num_draft, greedy, one_hot)  # [R]
     sampled = draws[rows, j]  # [R]
     # On a GPU the residual is computed whether or not a row needs it: asking would wait for the
     # device (and stall the next step's host work under asynchronous scheduling).
@@ -166,7 +164,7 @@ def _plain_draws(
             seeds.repeat_interleave(k1),
             (positions[:, None] + steps[None, :]).reshape(-1),
         ).view(num_rows, k1)
-        return draws, torch.where(one_hot, draws[:, :k] == drafts, ratio)
+        return draws, random_draft_accepts(draws, drafts, one_hot, ratio)
     draws = torch.full((num_rows, k1), -1, dtype=torch.int64, device=scaled.device)
     accept = ratio.clone()
     reached = ~greedy
@@ -180,6 +178,27 @@ def _plain_draws(
         accept[:, i] = torch.where(one_hot[:, i], draws[:, i] == drafts[:, i], ratio[:, i])
         reached &= accept[:, i] & (i < num_draft)
     return draws, accept
+
+
+def random_draft_accepts(draws: Tensor, drafts: Tensor, one_hot: Tensor, ratio: Tensor) -> Tensor:
+    """Which drafts of random rows pass.  # [R, K] bool
+
+    A one-hot draft passes where it is the plain sampler's draw at its position (draws
+    [R, K+1]), another where it passes the ratio test (`ratio`, from `random_accepts`)."""
+    return torch.where(one_hot, draws[:, : drafts.shape[1]] == drafts, ratio)
+
+
+def resampled_rows(
+    num_accepted: Tensor, num_draft: Tensor, greedy: Tensor, one_hot: Tensor
+) -> Tensor:
+    """Random rows whose token after the accepted run is a residual sample: a drawn (not
+    one-hot) draft was rejected. Elsewhere it is the draw at that position.  # [R] bool"""
+    resample = (num_accepted < num_draft) & ~greedy
+    k = one_hot.shape[1]
+    if k > 0:
+        rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
+        resample &= ~one_hot[rows, num_accepted.clamp(max=k - 1)]
+    return resample
 
 
 def acceptance_uniforms(seeds: Tensor, positions: Tensor, drafts: Tensor) -> Tensor:

@@ -75,6 +75,8 @@ from libkk.sample.rejection import (
     accepted_prefix,
     check_value_ranges,
     random_accepts,
+    random_draft_accepts,
+    resampled_rows,
 )
 from libkk.sample.sampler import SamplingRow
 from libkk.spec_decode.estimator import FEATURE_CLAMP, ONE_HOT_FEATURE
@@ -321,7 +323,6 @@ class VerifyPlan:
     """What the first gather of verification decides, identical on every rank."""
 
     num_accepted: Tensor  # [R] int64
-    rejected: Tensor  # [R] bool: a draft was rejected (else the last token is a bonus)
     resample: Tensor  # [R] bool: a drawn draft was rejected: the last token is the residual's
     greedy: Tensor  # [R] bool
     lse: Tensor  # [R, K+1] fp32 the target's log-sum-exp of z
@@ -396,20 +397,13 @@ def combine_verify_stats(
     q_d = torch.zeros_like(p_d) if draft_logprobs is None else draft_logprobs.float()
     one_hot = q_d == 0  # [R, K]
     draws = _first_max(noisy, noisy_arg).long()  # [R, K+1] the plain sampler's draws
-    accept_random = torch.where(
-        one_hot, draws[:, :k] == drafts, random_accepts(p_d, q_d, seeds, positions, drafts)
-    )  # [R, K]
+    ratio = random_accepts(p_d, q_d, seeds, positions, drafts)  # [R, K]
+    accept_random = random_draft_accepts(draws, drafts, one_hot, ratio)  # [R, K]
     accept = torch.where(greedy[:, None], accept_greedy, accept_random)
     num_accepted = accepted_prefix(accept, num_draft)  # [R]
-    rejected = num_accepted < num_draft
-    resample = rejected & ~greedy
-    if k > 0:
-        rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
-        resample &= ~one_hot[rows, num_accepted.clamp(max=k - 1)]
     return VerifyPlan(
         num_accepted=num_accepted,
-        rejected=rejected,
-        resample=resample,
+        resample=resampled_rows(num_accepted, num_draft, greedy, one_hot),
         greedy=greedy,
         lse=lse,
         target_argmax=target_argmax,

@@ -251,7 +251,6 @@ def test_empty_residual_falls_back_to_the_target_like_the_full_path() -> None:
     lse = torch.logsumexp(z, dim=-1)  # [R, K+1]
     plan = VerifyPlan(
         num_accepted=torch.zeros(num_rows, dtype=torch.int64),
-        rejected=torch.ones(num_rows, dtype=torch.bool),
         resample=torch.ones(num_rows, dtype=torch.bool),  # drawn drafts
         greedy=torch.zeros(num_rows, dtype=torch.bool),
         lse=lse,
