@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from libkk.config import EngineConfig
@@ -511,7 +512,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         seed=args.seed,
         eval_prompts=args.eval_prompts,
     )
-    name = DEFAULT_MODEL_NAME if args.model is None else str(args.model)
+    name = DEFAULT_MODEL_NAME if args.model is None else Path(args.model).name
     report = train_drafter(
         target,
         tokenizer,

@@ -511,8 +511,8 @@ def profile_costs(
     repeats: int = 3,
     graph_sizes: Sequence[int] | None = None,
 ) -> CostModel:
-    """Start-up cost tables: the target forward over n tokens (up to max_num_seqs requests'
-    verifications), each captured graph of up to max_num_seqs requests (replay and logits), the
+    """Start-up cost tables: the target forward and logits over n tokens (up to max_num_seqs
+    requests' verifications), each captured graph of up to max_num_seqs requests (replay and logits), the
     proposer over r requests (as many as either), all up to MAX_PROFILED_REQUESTS requests.
     `graph_sizes`, when given, are the graph sizes timed instead (those captured among them)."""
     k = num_speculative_tokens
@@ -538,7 +538,8 @@ def profile_costs(
         ):
             ids = torch.zeros(n, dtype=torch.int64, device=device)
             positions = torch.arange(n, dtype=torch.int64, device=device)
-            forward(ids, positions)
+            # every verified position's logits (a graph's time includes them too)
+            runner.model.compute_logits(forward(ids, positions))
 
     width = len(getattr(proposer, "target_layer_ids", ())) * hidden_size
     row = SamplingRow(

@@ -401,6 +401,7 @@ def train_drafter(
     stop_ids = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     config = drafter_config_for(target, options, target_name)
     device = next(target.parameters()).device
+    drafter = _initial_drafter(config, target, options, device)  # a bad --init-from fails first
 
     prompt_ids, continuations, hidden = _distillation_corpus(
         target, config, tokenizer, prompts, options, stop_ids, corpus_path, progress
@@ -408,7 +409,6 @@ def train_drafter(
     samples = [
         Sample(p + c, len(p), h) for p, c, h in zip(prompt_ids, continuations, hidden, strict=True)
     ]
-    drafter = _initial_drafter(config, target, options, device)
     lm_head = target.lm_head.weight if hasattr(target, "lm_head") else find_embedding(target)
     trainer = DrafterTrainer(drafter, find_embedding(target), lm_head, options)
     trainer.set_corpus(samples)
@@ -499,6 +499,8 @@ def _distillation_corpus(
         prompt_ids = [s[:n] for s, n in pairs]
         continuations = [s[n:] for s, n in pairs]
     else:
+        if corpus is not None:  # its folder made now, not after the generation
+            corpus.parent.mkdir(parents=True, exist_ok=True)
         topics, signatures = [], []
         if options.wide_prompts and prompts is None:
             with TargetRunner(target, config.target_layer_ids) as runner:
@@ -541,7 +543,8 @@ def _initial_drafter(
     if options.init_from is not None:
         with torch.no_grad():
             earlier = load_drafter(options.init_from, device, torch.float32)
-            if earlier.config != config:
+            # the target's name is a label: a drafter continues on the same model by any path
+            if msgspec.structs.replace(earlier.config, target_model=config.target_model) != config:
                 raise ConfigError(
                     f"train-drafter: {options.init_from} has another shape or settings: "
                     f"{earlier.config} vs {config}"
