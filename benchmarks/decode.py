@@ -471,6 +471,11 @@ def main() -> None:
         "cleanly without it)",
     )
     ap.add_argument(
+        "--no-skinny",
+        action="store_true",
+        help="products of 2 to 32 tokens on cuBLAS instead of libkk's skinny kernel (its A/B)",
+    )
+    ap.add_argument(
         "--scheduling",
         choices=sorted(SCHEDULING),
         default="auto",
@@ -503,6 +508,10 @@ def main() -> None:
         from libkk.kernels import _jit
 
         _jit._major = lambda index: 8  # as a pre-Hopper device: no PDL launch attribute
+    if args.no_skinny:
+        from libkk.kernels import gemv
+
+        gemv.SKINNY_MAX_TOKENS = 1  # a few tokens' products go to cuBLAS, as one kernel before
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
         ap.error(f"--experts {args.experts} needs an MoE shape, not {args.shape}")

@@ -1,5 +1,5 @@
-"""linear and gate_up_silu: dense projections of one token as a Triton GEMV; more tokens go to
-cuBLAS.
+"""linear and gate_up_silu: dense projections of one token as a Triton GEMV, of a few tokens
+(up to SKINNY_MAX_TOKENS) as a Triton "skinny" GEMM; more tokens go to cuBLAS.
 
 A batch-1 decode step reads every weight once for one token. cuBLAS runs that product as a
 tensor-core GEMM padded to 8 tokens, and for a tall K it splits K and launches a separate reduce
@@ -18,6 +18,12 @@ system busy; its programs then store fp32 partial sums, which each row block's l
 in a fixed order (kernels/split_join.py: deterministic, and no second kernel). Split programs
 load their first weight tile before the programmatic-dependent-launch wait, while the kernel
 before still runs (weights never depend on it).
+
+A few tokens (a batch's decode step, a verification of drafts): cuBLAS pads M to its tile and,
+at these shapes, splits K with a second reduce kernel, as at one token. The skinny kernel swaps
+the operands: each program multiplies a [BLOCK_N, BLOCK_K] weight tile by the tokens' [BLOCK_K,
+M_PAD] slice on the tensor cores (the weight rows fill the MMA's M side; M_PAD >= 16 tokens its N
+side), so every weight byte is read once for all the tokens, K split and joined as above.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
-from ._jit import check_device, jit, kernel_op, pdl_args, wait_for_previous
+from ._jit import INTERPRETED, check_device, jit, kernel_op, next_pow2, pdl_args, wait_for_previous
 from .activation import silu_and_mul, silu_and_mul_ref
 from .split_join import arrival_counts, arrive, sum_partials
 
@@ -151,6 +157,154 @@ def _accumulate(acc, acc_up, w, w_up, x_ptr, ks, K, SILU_MUL: tl.constexpr):
     return acc, acc_up
 
 
+# The skinny kernel takes products of 2 to SKINNY_MAX_TOKENS tokens.
+SKINNY_MAX_TOKENS = 32
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int  # weight rows per program (the MMA's M side)
+    block_k: int  # columns per step
+    splits: int  # programs along K (> 1: partial sums, joined by the last)
+    num_warps: int
+    num_stages: int  # weight tiles in flight (software pipeline through shared memory)
+
+
+def skinny_config(n: int, k: int, tokens: int, silu_mul: bool = False) -> SkinnyConfig:
+    """Block sizes for an [n, k] weight and a few tokens: 64 rows a program, K split until
+    there are about two programs a multiprocessor on an H100 (132), each split keeping at least
+    four K steps. The fused gate/up kernel does not split (it has twice the rows)."""
+    block_n, block_k = 64, 128
+    blocks = -(-(n // 2 if silu_mul else n) // block_n)
+    splits = 1
+    if not silu_mul:
+        while splits < 8 and blocks * splits < 264 and k // (2 * splits * block_k) >= 4:
+            splits *= 2
+    return SkinnyConfig(block_n, block_k, splits, 4, 3)
+
+
+@jit
+def _skinny_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] (SILU_MUL: [2N, K], gate rows then up rows)
+    bias_ptr,  # [N] (SILU_MUL: [2N])
+    out_ptr,  # [M, N]
+    part_ptr,  # SPLITS > 1: fp32 [SPLITS, M_PAD, N] partial sums
+    count_ptr,  # SPLITS > 1: int32 arrival count per row block, zero between launches
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_w,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, M_PAD)
+    m_mask = m < M
+    k_start = 0
+    k_stop = K
+    if SPLITS > 1:
+        k_start = tl.program_id(1) * k_per_split
+        k_stop = tl.minimum(k_start + k_per_split, K)
+    wait_for_previous(PDL)
+    acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # [weight rows, tokens]
+    acc_up = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_stop
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + n[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        xt = tl.load(
+            x_ptr + m[None, :] * stride_xm + ks[:, None],
+            mask=k_mask[:, None] & m_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, M_PAD]
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(
+                w_ptr + (n[:, None] + N) * stride_w + ks[None, :], mask=w_mask, other=0.0
+            )
+            acc_up = tl.dot(w_up, xt, acc_up, input_precision=DOT_PRECISION)
+    tile_mask = n_mask[:, None] & m_mask[None, :]
+    last = True
+    if SPLITS > 1:
+        part = part_ptr + m[None, :] * N + n[:, None]  # [BLOCK_N, M_PAD]
+        tl.store(part + tl.program_id(1) * M_PAD * N, acc, mask=tile_mask)
+        last = arrive(count_ptr, pid_n, SPLITS)
+        if last:
+            acc = sum_partials(part, M_PAD * N, tile_mask, SPLITS)
+    if last:
+        out_ty = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if SILU_MUL:
+            if HAS_BIAS:
+                up_bias = tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
+                acc_up += up_bias[:, None]
+            gate = acc.to(out_ty).to(tl.float32)
+            up = acc_up.to(out_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + m[None, :] * stride_om + n[:, None], acc.to(out_ty), mask=tile_mask)
+
+
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny kernel takes this product (else cuBLAS): 2 to SKINNY_MAX_TOKENS
+    half-precision tokens (fp32 too in the interpreter, whose half-precision dots are inexact)."""
+    dtypes = _SKINNY_DTYPES + ((torch.float32,) if INTERPRETED else ())
+    return (
+        x.dim() == 2
+        and 2 <= x.shape[0] <= SKINNY_MAX_TOKENS
+        and x.dtype == weight.dtype
+        and x.dtype in dtypes
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+    )
+
+
+def skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+    cfg: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """The skinny kernel's launch behind both ops, for a few tokens (`cfg` overrides the
+    block sizes)."""
+    tokens, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    cfg = cfg or skinny_config(weight.shape[0], k, tokens, silu_mul)
+    splits = cfg.splits if not silu_mul else 1
+    m_pad = max(16, next_pow2(tokens))
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
+    blocks = -(-n // cfg.block_n)
+    part, counts = out, out  # unread with one split
+    if splits > 1:
+        part = torch.empty((splits, m_pad, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counts(x.device, blocks)
+    has_bias = bias is not None
+    _skinny_kernel[(blocks, splits)](
+        x, weight, bias if has_bias else weight, out, part, counts, tokens, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=has_bias, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        M_PAD=m_pad, SPLITS=splits, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+    )  # fmt: skip
+    return out
+
+
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV kernel takes this product (else F.linear)."""
     return (
@@ -204,10 +358,13 @@ def linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
-    """x W^T (+ b): the GEMV kernel for one token, F.linear otherwise."""
+    """x W^T (+ b): the GEMV kernel for one token, the skinny kernel for a few, F.linear
+    otherwise."""
     check_device(x)
     if gemv_fits(x, weight):
         return gemv(x, weight, bias, silu_mul=False)
+    if skinny_fits(x, weight):
+        return skinny(x, weight, bias, silu_mul=False)
     return F.linear(x, weight, bias)
 
 
@@ -228,11 +385,13 @@ def gate_up_silu(
     weight: torch.Tensor,  # [2 * intermediate, in]: gate rows, then up rows
     bias: torch.Tensor | None = None,  # [2 * intermediate]
 ) -> torch.Tensor:  # [..., intermediate]
-    """silu(x W_gate^T) * (x W_up^T): one GEMV kernel for one token; more take cuBLAS and the
-    one-pass activation kernel."""
+    """silu(x W_gate^T) * (x W_up^T): one GEMV or skinny kernel for one or a few tokens; more
+    take cuBLAS and the one-pass activation kernel."""
     check_device(x)
     if gemv_fits(x, weight):
         return gemv(x, weight, bias, silu_mul=True)
+    if skinny_fits(x, weight):
+        return skinny(x, weight, bias, silu_mul=True)
     return silu_and_mul(F.linear(x, weight, bias))
 
 

@@ -1,7 +1,8 @@
-"""linear and gate_up_silu (the one-token GEMV) against their torch references: every block
-configuration (plain, wide outputs, split K for tall K and for narrow outputs), one token and the
-F.linear fallback for more, a strided token row, bias, sizes that are not multiples of the
-blocks. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16 joins."""
+"""linear and gate_up_silu (the one-token GEMV, the few-token skinny kernel) against their torch
+references: every block configuration (plain, wide outputs, split K for tall K and for narrow
+outputs), one token, a few, and the F.linear fallback for more, strided token rows, bias, sizes
+that are not multiples of the blocks. On CPU in Triton's interpreter (fp32/fp16); on CUDA bf16
+joins."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import pytest
 import torch
 from kernel_env import DEVICE, ON_CUDA, RUNS_KERNELS
 from libkk.kernels import gate_up_silu, gate_up_silu_ref, linear, linear_ref
-from libkk.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_fits
+from libkk.kernels.gemv import (
+    SKINNY_MAX_TOKENS,
+    GemvConfig,
+    SkinnyConfig,
+    gemv,
+    gemv_config,
+    gemv_fits,
+    skinny,
+    skinny_config,
+    skinny_fits,
+)
 from libkk.kernels.split_join import arrival_counts
 
 pytestmark = RUNS_KERNELS
@@ -83,7 +94,7 @@ def test_split_k_refuses_unrolled_steps():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,bias", [(1, False), (1, True), (3, False)])
+@pytest.mark.parametrize("rows,bias", [(1, False), (1, True), (3, False), (6, True)])
 def test_gate_up_silu_equals_the_reference(dtype, rows, bias):
     n, k = 2 * 45, 300
     x, weight, b = _inputs(rows, n, k, dtype, rows, bias)
@@ -92,9 +103,39 @@ def test_gate_up_silu_equals_the_reference(dtype, rows, bias):
     assert got.shape == (rows, n // 2)
 
 
-def test_more_tokens_than_the_gemv_takes_are_exact_f_linear():
-    x, weight, b = _inputs(2, 20, 64, torch.float32, 5, bias=True)
-    assert not gemv_fits(x, weight)
+# (tokens, out, in): one row block split four ways (K = 2,100 is not a multiple of a split), a
+# partial row block unsplit, 16 and 32 tokens (M_PAD 16 and 32) over split K.
+SKINNY_CASES = [(2, 40, 2100), (5, 301, 300), (16, 24, 1100), (32, 70, 1030)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n,k", SKINNY_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_few_tokens_take_the_skinny_kernel(dtype, tokens, n, k, bias):
+    x, weight, b = _inputs(tokens, n, k, dtype, tokens + n + k, bias)
+    assert not gemv_fits(x, weight) and skinny_fits(x, weight)
+    _close(linear(x, weight, b), linear_ref(x, weight, b), dtype)
+
+
+def test_the_skinny_cases_split_and_do_not():
+    assert {skinny_config(n, k, t).splits > 1 for t, n, k in SKINNY_CASES} == {True, False}
+
+
+def test_skinny_split_k_is_joined_by_the_last_program():
+    """As the GEMV's: the same bytes on a second call, the counts back at zero, the one-program
+    sums up to fp32 association; splits past K (1,030 columns over eight 128-wide splits)."""
+    x, weight, b = _inputs(7, 70, 1030, torch.float32, 11, bias=True)
+    cfg = SkinnyConfig(block_n=64, block_k=128, splits=8, num_warps=4, num_stages=2)
+    first = skinny(x, weight, b, silu_mul=False, cfg=cfg)
+    assert torch.equal(skinny(x, weight, b, silu_mul=False, cfg=cfg), first)
+    assert not arrival_counts(x.device, 2).any()
+    _close(first, skinny(x, weight, b, silu_mul=False, cfg=cfg._replace(splits=1)), torch.float32)
+    _close(first, linear_ref(x, weight, b), torch.float32)
+
+
+def test_more_tokens_than_the_skinny_kernel_takes_are_exact_f_linear():
+    x, weight, b = _inputs(SKINNY_MAX_TOKENS + 1, 20, 64, torch.float32, 5, bias=True)
+    assert not gemv_fits(x, weight) and not skinny_fits(x, weight)
     assert torch.equal(linear(x, weight, b), linear_ref(x, weight, b))
 
 
