@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated
@@ -241,25 +242,32 @@ class CostModel:
         if not request_counts or not token_counts:
             raise ConfigError("profile needs at least one request count and one token count")
 
-        def timed(fn: Callable[..., object], *n: int) -> float:
-            for _ in range(warmup):
-                fn(*n)
-            samples = []
-            for _ in range(repeats):
+        points = (
+            [("draft", draft_step, (n,)) for n in request_counts]
+            + [("verify", verify_step, (n,)) for n in token_counts]
+            + [("graph", graph_step, shape) for shape in graph_shapes]
+        )
+        for _ in range(warmup):
+            for _, fn, args in points:
+                fn(*args)
+        # Round robin, repeat after repeat: a drift of the machine's speed (a loaded CPU) then
+        # shifts every point alike instead of the ones timed last, and the ratios hold.
+        samples: list[list[float]] = [[] for _ in points]
+        for _ in range(repeats):
+            for times, (_, fn, args) in zip(samples, points, strict=True):
                 if synchronize is not None:
                     synchronize()
                 start = clock()
-                fn(*n)
+                fn(*args)
                 if synchronize is not None:
                     synchronize()
-                samples.append((clock() - start) * 1e3)
-            samples.sort()
-            return samples[len(samples) // 2]
-
+                times.append((clock() - start) * 1e3)
+        medians = {(kind, args): statistics.median(times)
+                   for times, (kind, _, args) in zip(samples, points, strict=True)}  # fmt: skip
         return cls(
-            draft_ms=[(n, timed(draft_step, n)) for n in request_counts],
-            verify_ms=[(n, timed(verify_step, n)) for n in token_counts],
-            graph_ms={(n, q): timed(graph_step, n, q) for n, q in graph_shapes},
+            draft_ms=[(n, medians["draft", (n,)]) for n in request_counts],
+            verify_ms=[(n, medians["verify", (n,)]) for n in token_counts],
+            graph_ms={shape: medians["graph", shape] for shape in graph_shapes},
         )
 
 

@@ -108,6 +108,24 @@ def test_profile_times_each_count() -> None:
     assert cost.graph_sizes == [1, 4] and cost.graph_query_lens == [1, 8]
 
 
+def test_profile_ratios_hold_while_the_machine_slows_down() -> None:
+    """The counts are timed round robin, repeat after repeat: a machine that gets slower through
+    the profile (a CPU another process starts loading) stretches every point alike, so a
+    verification's cost over a plain step's stays what it is (here 3), where timing each count's
+    repeats together would have put the later counts' on the slower machine."""
+    now, calls = [0.0], [0]
+
+    def run(ms: float) -> None:
+        calls[0] += 1
+        now[0] += ms / 1e3 * (1 + calls[0] / 10)  # 10% slower every call
+
+    cost = CostModel.profile(
+        lambda n: run(1.0), lambda n: run(10.0 * (1 + (n > 1) * 2)), [1], [1, 8],
+        warmup=1, repeats=7, clock=lambda: now[0],
+    )  # fmt: skip
+    assert cost.verify(8) / cost.verify(1) == pytest.approx(3.0, rel=0.1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The choice
 
