@@ -7,7 +7,8 @@ The sessions run interleaved, repeat after repeat (greedy, EOS ignored, decode t
 each request's timeline, prefill excluded); the table gives each case's median, its spread and the
 mean acceptance length. Writes JSON too.
 
-    python benchmarks/spec_backoff.py [--tokens 64] [--repeats 5] [--threads 1] [--out FILE]
+    python benchmarks/spec_backoff.py [--tokens 64] [--repeats 5] [--threads 1] [--drafter DIR]
+                                      [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="num_threads (default: libkk's)")
+    ap.add_argument("--drafter", default=None, help="a DFlash drafter folder (default: shipped)")
     ap.add_argument("--out", default="spec_backoff.json")
     args = ap.parse_args()
 
@@ -43,7 +45,7 @@ def main() -> None:
             max_model_len=1024,
             progress=False,
             num_threads=args.threads,
-            **({"speculative": spec} if spec else {}),
+            **({"speculative": {**spec, "draft_model": args.drafter}} if spec else {}),
         )
         for name, spec in CASES.items()
     }
