@@ -512,8 +512,9 @@ def profile_costs(
     graph_sizes: Sequence[int] | None = None,
 ) -> CostModel:
     """Start-up cost tables: the target forward and logits over n tokens (up to max_num_seqs
-    requests' verifications), each captured graph of up to max_num_seqs requests (replay and logits), the
-    proposer over r requests (as many as either), all up to MAX_PROFILED_REQUESTS requests.
+    requests' verifications), each captured graph of up to max_num_seqs requests (replay and
+    logits), the proposer over r requests (as many as either), all up to MAX_PROFILED_REQUESTS
+    requests.
     `graph_sizes`, when given, are the graph sizes timed instead (those captured among them)."""
     k = num_speculative_tokens
     max_tokens = min(max_num_seqs, MAX_PROFILED_REQUESTS) * (1 + k)
