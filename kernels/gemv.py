@@ -173,12 +173,20 @@ class SkinnyConfig(NamedTuple):
 def skinny_config(n: int, k: int, tokens: int, silu_mul: bool = False) -> SkinnyConfig:
     """Block sizes for an [n, k] weight and a few tokens: 64 rows a program, K split until
     there are about two programs a multiprocessor on an H100 (132), each split keeping at least
-    four K steps. The fused gate/up kernel does not split (it has twice the rows)."""
+    four K steps and the fp32 partial sums (written and read back: 8 * M_PAD bytes a weight row
+    and split) under 1/16 of the weight's bytes. The fused gate/up kernel does not split (it has
+    twice the rows)."""
     block_n, block_k = 64, 128
     blocks = -(-(n // 2 if silu_mul else n) // block_n)
+    m_pad = max(16, next_pow2(tokens))
     splits = 1
     if not silu_mul:
-        while splits < 8 and blocks * splits < 264 and k // (2 * splits * block_k) >= 4:
+        while (
+            splits < 8
+            and blocks * splits < 264
+            and k // (2 * splits * block_k) >= 4
+            and 2 * splits * 8 * m_pad <= k // 8  # partials of the doubled split vs 2k / 16
+        ):
             splits *= 2
     return SkinnyConfig(block_n, block_k, splits, 4, 3)
 
