@@ -471,9 +471,9 @@ def main() -> None:
         "cleanly without it)",
     )
     ap.add_argument(
-        "--no-skinny",
+        "--skinny",
         action="store_true",
-        help="products of 2 to 32 tokens on cuBLAS instead of libkk's skinny kernel (its A/B)",
+        help="products of 2 to 32 tokens on libkk's skinny kernel instead of cuBLAS (its A/B)",
     )
     ap.add_argument(
         "--scheduling",
@@ -508,10 +508,10 @@ def main() -> None:
         from libkk.kernels import _jit
 
         _jit._major = lambda index: 8  # as a pre-Hopper device: no PDL launch attribute
-    if args.no_skinny:
+    if args.skinny:
         from libkk.kernels import gemv
 
-        gemv.SKINNY_MAX_TOKENS = 1  # a few tokens' products go to cuBLAS, as one kernel before
+        gemv.ROUTE_SKINNY = True  # products of 2 to 32 tokens on the skinny kernel, not cuBLAS
     cfg = {**COMMON, **SHAPES[args.shape]}
     if args.experts != "bf16" and "num_experts" not in cfg:
         ap.error(f"--experts {args.experts} needs an MoE shape, not {args.shape}")

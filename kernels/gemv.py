@@ -1,5 +1,5 @@
 """linear and gate_up_silu: dense projections of one token as a Triton GEMV, of a few tokens
-(up to SKINNY_MAX_TOKENS) as a Triton "skinny" GEMM; more tokens go to cuBLAS.
+(up to SKINNY_MAX_TOKENS, where ROUTE_SKINNY) as a Triton "skinny" GEMM; more go to cuBLAS.
 
 A batch-1 decode step reads every weight once for one token. cuBLAS runs that product as a
 tensor-core GEMM padded to 8 tokens, and for a tall K it splits K and launches a separate reduce
@@ -159,6 +159,10 @@ def _accumulate(acc, acc_up, w, w_up, x_ptr, ks, K, SILU_MUL: tl.constexpr):
 
 # The skinny kernel takes products of 2 to SKINNY_MAX_TOKENS tokens.
 SKINNY_MAX_TOKENS = 32
+# Whether linear and gate_up_silu route such products to it. Off on CUDA until benchmarks/gemv.py
+# --tokens and decode.py --skinny show it ahead of cuBLAS there (not yet run on a GPU); on in the
+# interpreter, where the tests check the routing.
+ROUTE_SKINNY = INTERPRETED
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -371,7 +375,7 @@ def linear(
     check_device(x)
     if gemv_fits(x, weight):
         return gemv(x, weight, bias, silu_mul=False)
-    if skinny_fits(x, weight):
+    if ROUTE_SKINNY and skinny_fits(x, weight):
         return skinny(x, weight, bias, silu_mul=False)
     return F.linear(x, weight, bias)
 
@@ -398,7 +402,7 @@ def gate_up_silu(
     check_device(x)
     if gemv_fits(x, weight):
         return gemv(x, weight, bias, silu_mul=True)
-    if skinny_fits(x, weight):
+    if ROUTE_SKINNY and skinny_fits(x, weight):
         return skinny(x, weight, bias, silu_mul=True)
     return silu_and_mul(F.linear(x, weight, bias))
 

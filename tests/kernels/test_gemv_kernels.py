@@ -111,10 +111,29 @@ SKINNY_CASES = [(2, 40, 2100), (5, 301, 300), (16, 24, 1100), (32, 70, 1030)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,n,k", SKINNY_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_few_tokens_take_the_skinny_kernel(dtype, tokens, n, k, bias):
+def test_the_skinny_kernel_equals_the_reference(dtype, tokens, n, k, bias):
     x, weight, b = _inputs(tokens, n, k, dtype, tokens + n + k, bias)
     assert not gemv_fits(x, weight) and skinny_fits(x, weight)
-    _close(linear(x, weight, b), linear_ref(x, weight, b), dtype)
+    _close(skinny(x, weight, b, silu_mul=False), linear_ref(x, weight, b), dtype)
+    w2 = torch.cat([weight, weight.flip(0)])  # gate rows, then up rows
+    b2 = None if b is None else torch.cat([b, b.flip(0)])
+    _close(skinny(x, w2, b2, silu_mul=True), gate_up_silu_ref(x, w2, b2), dtype)
+
+
+@pytest.mark.parametrize("route", [False, True])
+def test_linear_routes_a_few_tokens_where_told(monkeypatch, route):
+    """With ROUTE_SKINNY the ops take the skinny kernel for 2 to 32 tokens, without it cuBLAS
+    (F.linear); both equal the references."""
+    from libkk.kernels import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "ROUTE_SKINNY", route)
+    calls = []
+    real = gemv_module.skinny
+    monkeypatch.setattr(gemv_module, "skinny", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, weight, b = _inputs(4, 40, 300, torch.float32, 9, bias=True)
+    _close(linear(x, weight, b), linear_ref(x, weight, b), torch.float32)
+    _close(gate_up_silu(x, weight, b), gate_up_silu_ref(x, weight, b), torch.float32)
+    assert len(calls) == (2 if route else 0)
 
 
 def test_the_skinny_cases_split_and_do_not():
