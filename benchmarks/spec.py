@@ -196,7 +196,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the speculative cases")
     ap.add_argument("--peer", action="store_true", help="transformers' plain decode per batch")
     ap.add_argument("--adaptive", action="store_true", help="also each case adaptively verified")
+    ap.add_argument("--skinny", action="store_true",
+                    help="products of 2 to 32 tokens (verifications) on libkk's skinny kernel")  # fmt: skip
     args = ap.parse_args()
+    if args.skinny:
+        from libkk.kernels import gemv
+
+        gemv.ROUTE_SKINNY = True
 
     path = Path(args.dir) / args.shape
     t0 = time.perf_counter()
