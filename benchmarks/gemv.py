@@ -78,6 +78,22 @@ def cublas(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fastest(configs, silu: bool, check, weights: list[torch.Tensor], launch) -> tuple:
+    """(median seconds, config) of the fastest of `configs` (the fused gate/up takes no split),
+    each checked against cuBLAS first."""
+    best = None
+    for cfg in configs:
+        if silu and cfg.splits > 1:
+            continue
+        check(cfg)
+        t = statistics.median(
+            graph_seconds(cycling(weights, lambda w, c=cfg: launch(w, c)), CALLS, 5)
+        )
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
 def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) -> dict:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
                for _ in range(COPIES)]  # fmt: skip
@@ -102,15 +118,7 @@ def time_shape(name: str, n: int, k: int, silu: bool, args, bandwidth: float) ->
           f"{row['libkk_us']:>10.2f}{spread:>14}{100 * floor_s / med:>8.0f}%"
           f"{peer / med:>9.2f}x", flush=True)  # fmt: skip
     if args.sweep:
-        best = None
-        for cfg in SWEEP:
-            if silu and cfg.splits > 1:
-                continue
-            check(cfg)
-            call = cycling(weights, lambda w, cfg=cfg: gemv(x, w, None, silu, cfg))
-            t = statistics.median(graph_seconds(call, CALLS, 5))
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = fastest(SWEEP, silu, check, weights, lambda w, cfg: gemv(x, w, None, silu, cfg))
         print(f"  sweep {name}: best {best[0] * 1e6:.2f} µs {tuple(best[1])}, "
               f"gemv_config picks {tuple(gemv_config(n, k, silu))}", flush=True)  # fmt: skip
     return row
@@ -145,15 +153,9 @@ def time_tokens(name: str, n: int, k: int, silu: bool, tokens: int, args, bandwi
           f"{row['libkk_us']:>10.2f}{spread:>14}{100 * floor_s / med:>8.0f}%"
           f"{100 * floor_s / peer:>8.0f}%{peer / med:>9.2f}x", flush=True)  # fmt: skip
     if args.sweep:
-        best = None
-        for cfg in SKINNY_SWEEP:
-            if silu and cfg.splits > 1:
-                continue
-            check(cfg)
-            call = cycling(weights, lambda w, cfg=cfg: skinny(x, w, None, silu, cfg))
-            t = statistics.median(graph_seconds(call, CALLS, 5))
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = fastest(
+            SKINNY_SWEEP, silu, check, weights, lambda w, cfg: skinny(x, w, None, silu, cfg)
+        )
         print(f"  sweep {name} x{tokens}: best {best[0] * 1e6:.2f} µs {tuple(best[1])}, "
               f"skinny_config picks {tuple(skinny_config(n, k, tokens, silu))}", flush=True)  # fmt: skip
     return row

@@ -274,9 +274,20 @@ def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny kernel takes this product (else cuBLAS): 2 to SKINNY_MAX_TOKENS
     half-precision tokens (fp32 too in the interpreter, whose half-precision dots are inexact)."""
     dtypes = _SKINNY_DTYPES + ((torch.float32,) if INTERPRETED else ())
+    return _fits(x, weight, 2, SKINNY_MAX_TOKENS, dtypes)
+
+
+def _fits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    min_tokens: int,
+    max_tokens: int,
+    dtypes: tuple[torch.dtype, ...],
+) -> bool:
+    """2-D operands of one dtype among `dtypes`, unit-stride rows, min to max tokens."""
     return (
         x.dim() == 2
-        and 2 <= x.shape[0] <= SKINNY_MAX_TOKENS
+        and min_tokens <= x.shape[0] <= max_tokens
         and x.dtype == weight.dtype
         and x.dtype in dtypes
         and weight.dim() == 2
@@ -319,15 +330,7 @@ def skinny(
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV kernel takes this product (else F.linear)."""
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
-        and weight.dim() == 2
-        and weight.stride(1) == 1
-        and x.stride(1) == 1
-    )
+    return _fits(x, weight, 1, 1, _DTYPES)
 
 
 def gemv(
