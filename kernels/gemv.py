@@ -130,10 +130,18 @@ def _gemv_kernel(
         if SILU_MUL:
             if HAS_BIAS:
                 acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
-            gate = acc.to(out_ty).to(tl.float32)
-            up = acc_up.to(out_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+            acc = _silu_mul_rounded(acc, acc_up, out_ptr)
         tl.store(out_ptr + n, acc.to(out_ty), mask=n_mask)
+
+
+@jit
+def _silu_mul_rounded(gate_sum, up_sum, out_ptr):
+    """silu(gate) * up of fp32 sums, each sum rounded to the output dtype first (as a separate
+    matmul's output would be), the activation in fp32."""
+    out_ty = out_ptr.dtype.element_ty
+    gate = gate_sum.to(out_ty).to(tl.float32)
+    up = up_sum.to(out_ty).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @jit
@@ -174,6 +182,11 @@ class SkinnyConfig(NamedTuple):
     num_stages: int  # weight tiles in flight (software pipeline through shared memory)
 
 
+def _skinny_m_pad(tokens: int) -> int:
+    """The tokens' side of the MMA: a power of two, at least 16 (the smallest tl.dot takes)."""
+    return max(16, next_pow2(tokens))
+
+
 def skinny_config(n: int, k: int, tokens: int, silu_mul: bool = False) -> SkinnyConfig:
     """Block sizes for an [n, k] weight and a few tokens: 64 rows a program, K split until
     there are about two programs a multiprocessor on an H100 (132), each split keeping at least
@@ -182,7 +195,7 @@ def skinny_config(n: int, k: int, tokens: int, silu_mul: bool = False) -> Skinny
     twice the rows)."""
     block_n, block_k = 64, 128
     blocks = -(-(n // 2 if silu_mul else n) // block_n)
-    m_pad = max(16, next_pow2(tokens))
+    m_pad = _skinny_m_pad(tokens)
     splits = 1
     if not silu_mul:
         while (
@@ -264,9 +277,7 @@ def _skinny_kernel(
             if HAS_BIAS:
                 up_bias = tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
                 acc_up += up_bias[:, None]
-            gate = acc.to(out_ty).to(tl.float32)
-            up = acc_up.to(out_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+            acc = _silu_mul_rounded(acc, acc_up, out_ptr)
         tl.store(out_ptr + m[None, :] * stride_om + n[:, None], acc.to(out_ty), mask=tile_mask)
 
 
@@ -309,7 +320,7 @@ def skinny(
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     cfg = cfg or skinny_config(weight.shape[0], k, tokens, silu_mul)
     splits = cfg.splits if not silu_mul else 1
-    m_pad = max(16, next_pow2(tokens))
+    m_pad = _skinny_m_pad(tokens)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     k_per_split = -(-k // (splits * cfg.block_k)) * cfg.block_k
     blocks = -(-n // cfg.block_n)

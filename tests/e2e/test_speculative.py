@@ -109,7 +109,13 @@ def test_ngram_greedy_equals_plain(request, reference, target, mix):
         pytest.skip("the random target rarely drafts: batch mixes suffice")
     path = request.getfixturevalue(f"{target}_llama_dir")
     outs, stats = _run(
-        path, PROMPTS, GREEDY, True, method="ngram", num_speculative_tokens=5, **MIXES[mix]
+        path,
+        PROMPTS,
+        GREEDY,
+        steady_backoff=True,
+        method="ngram",
+        num_speculative_tokens=5,
+        **MIXES[mix],
     )
     assert [o.token_ids for o in outs] == _expected(reference, target, mix)
     if target == "cyclic":
